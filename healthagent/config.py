@@ -1,0 +1,201 @@
+"""One ``Settings`` dataclass from defaults, an optional YAML file, ``HEALTHAGENT_*`` env and flags.
+
+Precedence, lowest first: defaults, YAML file (``--config`` / ``HEALTHAGENT_CONFIG``), environment,
+command-line flags. A DaemonSet sets env from its manifest and keeps policy in a ConfigMap file, a
+person on a node passes flags: all three must be able to say everything.
+
+Every bad value stops start-up with one ``ConfigError`` line that names the key, what was wrong and
+how to fix it, because a misconfigured health agent that starts anyway is worse than one that
+does not start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+import yaml
+
+ENV_PREFIX = "HEALTHAGENT_"
+KUBE_MODES = ("in-cluster", "kubeconfig", "dry-run", "off")
+
+
+class ConfigError(Exception):
+    """A configuration problem; ``str()`` is the one line shown to the operator."""
+
+
+def _setting(default: Any, help: str, fix: str = "") -> Any:
+    return field(default=default, metadata={"help": help, "fix": fix})
+
+
+@dataclass(frozen=True)
+class Settings:
+    host_root: str = _setting("/", "where the host's /sys, /dev/kmsg and logs are read from")
+    kernel_log: str | None = _setting(None, "read this kernel-log file instead of dev/kmsg")
+    listen: str = _setting("0.0.0.0:9410", "HOST:PORT for /metrics, /healthz, /readyz, /v1/training",
+                           "use HOST:PORT, e.g. 0.0.0.0:9410")
+    node_name: str = _setting("", "this node's name (downward API NODE_NAME)",
+                              "set NODE_NAME from the downward API (spec.nodeName)")
+    kube: str = _setting("in-cluster", "Kubernetes access: in-cluster, kubeconfig, dry-run or off",
+                         "use one of: " + ", ".join(KUBE_MODES))
+    kubeconfig: str | None = _setting(None, "kubeconfig file when kube=kubeconfig")
+    nvml: bool = _setting(True, "read GPUs through NVML")
+    nvml_interval_seconds: float = _setting(10.0, "seconds between NVML collections")
+    efa_interval_seconds: float = _setting(10.0, "seconds between EFA sysfs collections")
+    kmsg_poll_seconds: float = _setting(0.1, "seconds between kernel-log reads when idle")
+    kmsg_max_records_per_cycle: int = _setting(50_000, "kernel-log records handled per read before yielding")
+    dcgm_url: str | None = _setting(None, "dcgm-exporter /metrics URL; unset = off")
+    dcgm_interval_seconds: float = _setting(30.0, "seconds between dcgm-exporter scrapes")
+    dcgm_timeout_seconds: float = _setting(2.0, "dcgm-exporter scrape timeout")
+    expected_gpus: int | None = _setting(None, "GPUs this node must have; fewer is GPU_MISSING")
+    expected_efa_devices: int | None = _setting(None, "EFA devices this node must have (p5.48xlarge: 32)")
+    policy_file: str | None = _setting(None, "YAML policy overrides (XID actions, thresholds, rules)")
+    state_file: str = _setting("/var/lib/healthagent/state.json", "state that survives restarts")
+    taint_key: str = _setting("healthagent.io/unhealthy", "taint key the agent owns",
+                              "use a key under healthagent.io/")
+    replace_noexecute_grace_seconds: float = _setting(
+        120.0, "seconds between NoSchedule and NoExecute for replace_node (0 = at once)")
+    budget_max_fraction: float = _setting(0.10, "largest share of GPU nodes that may carry the taint",
+                                          "use a fraction between 0 and 1, e.g. 0.1")
+    budget_max_nodes: int | None = _setting(None, "largest number of GPU nodes that may carry the taint")
+    budget_node_selector: str = _setting("nvidia.com/gpu.present=true",
+                                         "label selector that counts the cluster's GPU nodes")
+    hyperpod_labels: bool = _setting(False, "also set sagemaker.amazonaws.com/node-health-status")
+    training_max_jobs: int = _setting(64, "distinct training jobs tracked at once")
+    training_job_idle_seconds: float = _setting(3600.0, "forget a training job idle this long")
+    log_level: str = _setting("INFO", "logging level", "use DEBUG, INFO, WARNING or ERROR")
+
+    def listen_address(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]") or "0.0.0.0", int(port)
+
+
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def _type_name(f: dataclasses.Field) -> str:
+    return str(f.type).replace(" | None", "")
+
+
+def _convert(key: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
+    """Convert a raw value (YAML scalar or env/flag string) to the field's type."""
+    kind = _type_name(f)
+    optional = "None" in str(f.type)
+    where = f"{origin} {key}"
+    if value is None or (isinstance(value, str) and value.strip() == "" and optional):
+        if optional:
+            return None
+        raise ConfigError(f"{where} is empty; {f.metadata['help']}")
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            return int(str(value).strip())
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(str(value).strip())
+        if isinstance(value, (dict, list)):
+            raise ValueError
+        return str(value)
+    except ValueError:
+        raise ConfigError(
+            f"{where}={value!r} is not a valid {kind}; {f.metadata['fix'] or f.metadata['help']}"
+        ) from None
+
+
+def _validate(s: Settings) -> None:
+    def bad(key: str, why: str) -> ConfigError:
+        fix = _FIELDS[key].metadata["fix"]
+        return ConfigError(f"{key}: {why}" + (f"; {fix}" if fix else ""))
+
+    if s.kube not in KUBE_MODES:
+        raise bad("kube", f"{s.kube!r} is not a mode")
+    if s.kube == "kubeconfig" and not s.kubeconfig:
+        raise ConfigError("kubeconfig: kube=kubeconfig needs a file; set --kubeconfig PATH")
+    host, _, port = s.listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise bad("listen", f"{s.listen!r} is not HOST:PORT")
+    if not 0.0 <= s.budget_max_fraction <= 1.0:
+        raise bad("budget_max_fraction", f"{s.budget_max_fraction} is outside 0..1")
+    if not s.taint_key.startswith("healthagent.io/"):
+        raise bad("taint_key", f"{s.taint_key!r} is not under healthagent.io/")
+    for key in ("nvml_interval_seconds", "efa_interval_seconds", "kmsg_poll_seconds",
+                "dcgm_interval_seconds", "dcgm_timeout_seconds"):
+        if getattr(s, key) <= 0:
+            raise ConfigError(f"{key}: must be greater than 0 seconds")
+    if s.replace_noexecute_grace_seconds < 0:
+        raise ConfigError("replace_noexecute_grace_seconds: must be 0 or more seconds")
+    for key in ("expected_gpus", "expected_efa_devices", "budget_max_nodes"):
+        value = getattr(s, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"{key}: must be 0 or more")
+    if s.kmsg_max_records_per_cycle < 1 or s.training_max_jobs < 1:
+        raise ConfigError("kmsg_max_records_per_cycle/training_max_jobs: must be at least 1")
+    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise bad("log_level", f"{s.log_level!r} is not a level")
+    if not os.path.isdir(s.host_root):
+        raise ConfigError(f"host_root: {s.host_root!r} is not a directory; pass --host-root DIR")
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path!r} ({exc.strerror}); fix the path") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config: {path!r} is not valid YAML{at}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path!r} must be a mapping of setting: value")
+    return data
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> Settings:
+    """Build Settings from (lowest first) defaults, YAML, env, flags. Raises ConfigError."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    config_file = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if config_file:
+        for raw_key, raw in _load_yaml(config_file).items():
+            key = str(raw_key).replace("-", "_")
+            if key not in _FIELDS:
+                raise ConfigError(
+                    f"config: unknown key {raw_key!r} in {config_file}; valid keys: "
+                    + ", ".join(sorted(_FIELDS))
+                )
+            values[key] = _convert(key, _FIELDS[key], raw, f"{config_file}:")
+    for key, f in _FIELDS.items():
+        env_key = ENV_PREFIX + key.upper()
+        if env_key in env:
+            values[key] = _convert(env_key, f, env[env_key], "env")
+    if "node_name" not in values and env.get("NODE_NAME"):
+        values["node_name"] = env["NODE_NAME"]
+    for key, raw in (flags or {}).items():
+        if raw is None:
+            continue
+        if key not in _FIELDS:
+            raise ConfigError(f"flag --{key.replace('_', '-')} is not a setting")
+        values[key] = _convert("--" + key.replace("_", "-"), _FIELDS[key], raw, "flag")
+    settings = Settings(**values)
+    _validate(settings)
+    return settings

@@ -1,0 +1,314 @@
+"""The records every layer shares.
+
+Sources produce observations (``GpuSample``, ``XidEvent``, ``EfaSample``) bundled in a
+``Collection``; policy turns observations into ``Finding``s and one ``Verdict``; effects and
+telemetry read the verdict and the latest collection. Everything here is a frozen dataclass so a
+record can be handed between the loop, the exporter's snapshot and the policy without copies or
+locks: nobody can mutate what someone else is reading.
+
+Counters that a GPU or driver does not support are ``None`` (NVML's ``NOT_SUPPORTED`` is normal on
+MIG and older parts); ``0`` always means "supported and zero".
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+class Action(str, enum.Enum):
+    """What must happen to a node, ordered from mild to severe (ARCHITECTURE.md contract)."""
+
+    NONE = "none"
+    MONITOR = "monitor"
+    RESTART_APP = "restart_app"
+    RESET_GPU = "reset_gpu"
+    REBOOT_NODE = "reboot_node"
+    REPLACE_NODE = "replace_node"
+
+    @property
+    def severity(self) -> int:
+        return _ACTION_ORDER.index(self)
+
+    @property
+    def needs_node_action(self) -> bool:
+        """True for actions that take the node out of the job (exit code 2 of ``check``)."""
+        return self.severity >= Action.REBOOT_NODE.severity
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """Parse an action name; raises ValueError naming the valid choices."""
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            choices = ", ".join(a.value for a in cls)
+            raise ValueError(f"unknown action {text!r}; use one of: {choices}") from None
+
+    @staticmethod
+    def most_severe(actions: "list[Action] | tuple[Action, ...]") -> "Action":
+        return max(actions, key=lambda a: a.severity, default=Action.NONE)
+
+
+_ACTION_ORDER = list(Action)
+
+
+_PCI_RE = re.compile(
+    r"^(?:(?P<domain>[0-9a-fA-F]{1,8}):)?(?P<bus>[0-9a-fA-F]{1,2}):(?P<dev>[0-9a-fA-F]{1,2})"
+    r"(?:\.(?P<fn>[0-7]))?$"
+)
+
+
+def canonical_pci_bus_id(raw: str) -> str | None:
+    """Normalise any PCI id form to the lower-case ``dddd:bb:dd.f`` used everywhere.
+
+    NVML says ``00000000:53:00.0`` (8-digit domain), the kernel's XID line says
+    ``PCI:0000:53:00`` (no function), sysfs says ``0000:53:00.0``. A kernel-log XID finds its GPU
+    only if all three agree, so this is the single place that decides the form. Returns None for
+    text that is not a PCI id (callers count that as a parse error, they never guess).
+    """
+    text = raw.strip()
+    if text[:4].upper() == "PCI:":
+        text = text[4:]
+    m = _PCI_RE.match(text)
+    if not m:
+        return None
+    domain = int(m.group("domain") or "0", 16)
+    if domain > 0xFFFF:
+        return None
+    return "{:04x}:{:02x}:{:02x}.{}".format(
+        domain, int(m.group("bus"), 16), int(m.group("dev"), 16), m.group("fn") or "0"
+    )
+
+
+@dataclass(frozen=True)
+class EccCounts:
+    """ECC error counts of one GPU. None = not supported / ECC disabled."""
+
+    volatile_corrected: int | None = None
+    volatile_uncorrected: int | None = None
+    aggregate_corrected: int | None = None
+    aggregate_uncorrected: int | None = None
+
+
+@dataclass(frozen=True)
+class RemapState:
+    """Row remapping (Ampere+): counts and the two flags that matter.
+
+    ``pending`` means a remap is waiting for a GPU reset; ``failure`` means a remap could not be
+    done (the bank is out of spare rows): NVIDIA's guidance is that the GPU must be replaced.
+    """
+
+    correctable: int | None = None
+    uncorrectable: int | None = None
+    pending: bool | None = None
+    failure: bool | None = None
+
+
+@dataclass(frozen=True)
+class RetiredPages:
+    """Dynamic page retirement (pre-Ampere; still reported on some parts)."""
+
+    single_bit: int | None = None
+    double_bit: int | None = None
+    pending: bool | None = None
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """Everything read about one GPU in one collection.
+
+    ``lost`` is set when NVML answered GPU_IS_LOST (or the GPU vanished from the count); then the
+    other fields are whatever was known before and must not be trusted.
+    """
+
+    index: int
+    uuid: str
+    pci_bus_id: str  # canonical dddd:bb:dd.f
+    name: str = ""
+    driver_version: str = ""
+    source: str = "nvml"
+    lost: bool = False
+    ecc: EccCounts = field(default_factory=EccCounts)
+    remap: RemapState = field(default_factory=RemapState)
+    retired_pages: RetiredPages = field(default_factory=RetiredPages)
+    # Active clock-event (throttle) reasons by name, e.g. ("hw_thermal_slowdown",).
+    throttle_reasons: tuple[str, ...] = ()
+    # Summed over links, by counter name: replay, recovery, crc_flit, crc_data.
+    nvlink_errors: Mapping[str, int] = field(default_factory=dict)
+    pcie_replay: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """One XID (or NVSwitch SXid, or fallen-off-the-bus) report, from the kernel log or NVML.
+
+    ``kind`` is "xid", "sxid" or "fallen_off_bus". ``pci_bus_id`` is canonical or "" when the
+    source did not say (NVML events carry the device instead). ``seq``/``boot_id`` identify a
+    /dev/kmsg record so a restart neither repeats nor skips it.
+    """
+
+    xid: int
+    pci_bus_id: str
+    message: str
+    line: str
+    timestamp: float
+    source: str = "kmsg"
+    kind: str = "xid"
+    gpu_index: int | None = None
+    uuid: str = ""
+    pid: int | None = None
+    process_name: str = ""
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+    seq: int | None = None
+    boot_id: str = ""
+
+
+@dataclass(frozen=True)
+class EfaSample:
+    """Counters of one EFA device port (port counters) merged with its device counters.
+
+    ``counters`` holds every integer hw_counter file read, by file name (``lifespan`` excluded: it
+    is a cache setting, not a counter). ``port_state``/``phys_state`` are the raw sysfs text; the
+    driver hard-codes them, so policy treats a *missing device* as the signal, not the state.
+    """
+
+    device: str
+    port: int
+    counters: Mapping[str, int]
+    pci_bus_id: str = ""
+    port_state: str = ""
+    phys_state: str = ""
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """How one source did in its last collection; exported as source_up/source_errors_total."""
+
+    source: str
+    up: bool
+    detail: str = ""
+    # Cumulative error counts by kind ("parse", "unreadable", "timeout", "http_5xx", "lost", ...).
+    errors: Mapping[str, int] = field(default_factory=dict)
+    duration_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Collection:
+    """What the sources saw in one cycle (or, for event sources, since the last cycle)."""
+
+    timestamp: float
+    gpus: tuple[GpuSample, ...] = ()
+    xids: tuple[XidEvent, ...] = ()
+    efa: tuple[EfaSample, ...] = ()
+    health: tuple[SourceHealth, ...] = ()
+    boot_id: str = ""
+    # Inventory the node is expected to have (from config or the instance type); None = unknown.
+    expected_gpus: int | None = None
+    expected_efa_devices: int | None = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing wrong, with a stable code, the action it demands and evidence in plain words.
+
+    ``key`` identifies the finding across cycles (code + subject) so hysteresis, Events and state
+    can tell "the same incident, still open" from "a new one".
+    """
+
+    code: str
+    action: Action
+    summary: str
+    evidence: str
+    next_steps: str
+    gpu_index: int | None = None
+    pci_bus_id: str = ""
+    uuid: str = ""
+    efa_device: str = ""
+    xids: tuple[int, ...] = ()
+    count: int = 1
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+
+    @property
+    def subject(self) -> str:
+        if self.pci_bus_id:
+            return self.pci_bus_id
+        if self.efa_device:
+            return self.efa_device
+        return "node"
+
+    @property
+    def key(self) -> str:
+        return f"{self.code}/{self.subject}/{self.first_seen:.3f}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The node's verdict: the most severe open finding decides the action."""
+
+    action: Action
+    findings: tuple[Finding, ...]
+    timestamp: float
+
+    @classmethod
+    def of(cls, findings: "tuple[Finding, ...] | list[Finding]", timestamp: float) -> "Verdict":
+        ordered = tuple(sorted(findings, key=lambda f: (-f.action.severity, f.code, f.subject)))
+        action = ordered[0].action if ordered else Action.NONE
+        return cls(action=action, findings=ordered, timestamp=timestamp)
+
+    @property
+    def exit_code(self) -> int:
+        """``check``'s exit code: 0 healthy, 1 degraded, 2 node action required."""
+        if self.action.needs_node_action:
+            return 2
+        if self.action.severity >= Action.MONITOR.severity:
+            return 1
+        return 0
+
+
+@dataclass(frozen=True)
+class XidCount:
+    """Cumulative XIDs seen by this agent for one (GPU, XID); exported as a counter."""
+
+    xid: int
+    count: int
+    gpu_index: int | None = None
+    uuid: str = ""
+    pci_bus_id: str = ""
+    kind: str = "xid"
+
+
+@dataclass(frozen=True)
+class KubeStatus:
+    """What the effects layer did and could do; exported as action metrics."""
+
+    mode: str = "dry-run"  # in-cluster | kubeconfig | dry-run | off
+    reachable: bool = False
+    taint_effect: str = ""  # "" | "NoSchedule" | "NoExecute": the agent's taint now on the node
+    budget_blocked: bool = False  # the verdict wants a taint the budget is holding back
+    budget_blocked_total: int = 0
+    # Cumulative API writes by (kind, result): kind node|node_status|event, result ok|conflict|error.
+    writes: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    pending_writes: int = 0  # desired state not yet applied (API down)
+
+
+@dataclass(frozen=True)
+class AgentSnapshot:
+    """The state the exporter renders. The loop replaces it atomically after each cycle, so a
+    scrape reads one consistent picture and does no I/O."""
+
+    timestamp: float
+    gpus: tuple[GpuSample, ...] = ()
+    efa: tuple[EfaSample, ...] = ()
+    xid_counts: tuple[XidCount, ...] = ()
+    health: tuple[SourceHealth, ...] = ()
+    verdict: Verdict | None = None
+    kube: KubeStatus = field(default_factory=KubeStatus)
+    ready: bool = False
