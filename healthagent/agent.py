@@ -1,0 +1,508 @@
+"""The loop: schedule sources, feed policy, hand the verdict to effects, publish the snapshot.
+
+This is the only module that wires sources, policy, effects and telemetry together (ARCHITECTURE.md).
+
+Shape of one cycle (``Agent.cycle``):
+  1. read what is due: the kernel log and NVML's XID queue every time (they are cheap and are where
+     a fault shows first), NVML/EFA/dcgm counters on their intervals;
+  2. give the classifier everything (policy is pure: it gets the timestamp, never reads a clock);
+  3. save the state file (kernel-log cursor + classifier state in ONE atomic write, so a SIGKILL
+     between deciding and acting either re-reads the same records or restores the same finding:
+     nothing is lost, nothing is counted twice);
+  4. hand the verdict to the effects worker and publish the snapshot for /metrics.
+
+Kubernetes writes run on their own thread (``EffectsWorker``): an API server that is slow or down
+must never delay detection, and the worker always works on the newest verdict (coalescing), so a
+burst of forty XIDs costs one reconcile, not forty.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from healthagent import __version__
+from healthagent.config import Settings
+from healthagent.model import (
+    Action,
+    AgentSnapshot,
+    Collection,
+    EfaSample,
+    GpuSample,
+    KubeStatus,
+    SourceHealth,
+    Verdict,
+    XidCount,
+    XidEvent,
+)
+from healthagent.sources.base import Source, SourceResult, host_path
+
+log = logging.getLogger(__name__)
+
+
+def read_boot_id(host_root: str) -> str:
+    """The host's boot id; it tells a reboot (reboot-class taints clear) from an agent restart."""
+    try:
+        with open(host_path(host_root, "/proc/sys/kernel/random/boot_id"), encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass
+class Scheduled:
+    """A periodic source and when it is next due."""
+
+    source: Source
+    interval: float
+    next_due: float = 0.0
+    last: SourceResult | None = None
+
+
+def enrich_xid(event: XidEvent, gpus: tuple[GpuSample, ...]) -> XidEvent:
+    """Attach GPU index/UUID to a kernel-log XID by its canonical PCI id (the ARCHITECTURE contract)."""
+    if event.gpu_index is not None and event.uuid:
+        return event
+    for gpu in gpus:
+        if event.pci_bus_id and gpu.pci_bus_id == event.pci_bus_id:
+            return replace(event, gpu_index=gpu.index, uuid=gpu.uuid)
+        if event.uuid and gpu.uuid == event.uuid:
+            return replace(event, gpu_index=gpu.index, pci_bus_id=gpu.pci_bus_id)
+    return event
+
+
+@dataclass
+class XidTally:
+    """Cumulative XIDs by (GPU, XID, kind): the data behind ``healthagent_xid_errors_total``."""
+
+    counts: dict[tuple, XidCount] = field(default_factory=dict)
+
+    def add(self, event: XidEvent) -> None:
+        key = (event.gpu_index, event.uuid, event.pci_bus_id, event.xid, event.kind)
+        old = self.counts.get(key)
+        self.counts[key] = XidCount(
+            xid=event.xid, count=(old.count if old else 0) + 1, gpu_index=event.gpu_index,
+            uuid=event.uuid, pci_bus_id=event.pci_bus_id, kind=event.kind,
+        )
+
+    def snapshot(self) -> tuple[XidCount, ...]:
+        return tuple(self.counts.values())
+
+
+class EffectsWorker:
+    """Runs ``NodeEffects.reconcile`` on its own thread with the newest verdict.
+
+    Reconciles when the verdict changes and every ``retry_seconds`` anyway, which both retries
+    pending writes after an API outage and moves replace_node from NoSchedule to NoExecute when its
+    grace has passed. ``stop`` lets the write in flight finish (SIGTERM contract).
+    """
+
+    def __init__(self, effects, boot_id: str, clock: Callable[[], float], retry_seconds: float = 5.0,
+                 on_status: Callable[[KubeStatus], None] | None = None) -> None:
+        self._effects = effects
+        self._boot_id = boot_id
+        self._clock = clock
+        self._retry = retry_seconds
+        self._on_status = on_status
+        self._verdict: Verdict | None = None
+        self._changed = threading.Event()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="healthagent-effects", daemon=True)
+        self.status = KubeStatus()
+        self.reconciles = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, verdict: Verdict) -> None:
+        with self._lock:
+            changed = self._verdict is None or _verdict_signature(self._verdict) != _verdict_signature(verdict)
+            self._verdict = verdict
+        if changed:
+            self._changed.set()
+
+    def _run(self) -> None:
+        try:
+            self._set_status(self._effects.startup(self._clock(), self._boot_id))
+        except Exception:  # the worker must survive anything the API or a bug throws
+            log.exception("effects startup failed; will retry on the next reconcile")
+        while not self._stopping.is_set():
+            self._changed.wait(self._retry)
+            self._changed.clear()
+            with self._lock:
+                verdict = self._verdict
+            if verdict is None:
+                continue
+            try:
+                self._set_status(self._effects.reconcile(verdict, self._clock(), self._boot_id))
+                self.reconciles += 1
+            except Exception:
+                log.exception("effects reconcile failed; desired state kept, retrying")
+
+    def _set_status(self, status: KubeStatus) -> None:
+        self.status = status
+        if self._on_status:
+            self._on_status(status)
+
+    def stop(self, timeout: float) -> None:
+        self._stopping.set()
+        self._changed.set()
+        self._thread.join(timeout)
+
+
+def _verdict_signature(verdict: Verdict) -> tuple:
+    return (verdict.action, tuple((f.key, f.action, f.count) for f in verdict.findings))
+
+
+class Agent:
+    """Owns the sources, the classifier, the state store, the effects worker and the exporter."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        sources: list[Scheduled],
+        event_sources: list[Source],
+        nvml=None,
+        classifier,
+        state,
+        effects=None,
+        telemetry=None,
+        intake=None,
+        wake: threading.Event | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.scheduled = sources
+        self.event_sources = event_sources  # collected every cycle (kernel log)
+        self.nvml = nvml  # its take_events() is drained every cycle
+        self.classifier = classifier
+        self.state = state
+        self.telemetry = telemetry
+        self.intake = intake
+        self.clock = clock
+        self.boot_id = read_boot_id(settings.host_root)
+        self.wake = wake or threading.Event()
+        self.xids = XidTally()
+        self.verdict: Verdict | None = None
+        self.cycles = 0
+        self._health: dict[str, SourceHealth] = {}
+        self._kube_status = KubeStatus(mode=settings.kube)
+        self.effects_worker = (
+            EffectsWorker(effects, self.boot_id, clock, on_status=self._on_kube_status) if effects else None
+        )
+
+    # -- one cycle -------------------------------------------------------------------------------
+
+    def cycle(self) -> Verdict:
+        """Read what is due, decide, persist, hand off. Never raises for a source's sake."""
+        now = self.clock()
+        new_xids: list[XidEvent] = []
+        for source in self.event_sources:
+            result = self._collect(source, now)
+            new_xids.extend(result.xids)
+        if self.nvml is not None:
+            new_xids.extend(self.nvml.take_events())
+        fresh_periodic = False
+        for item in self.scheduled:
+            if now >= item.next_due:
+                item.last = self._collect(item.source, now)
+                item.next_due = now + item.interval
+                new_xids.extend(item.last.xids)
+                fresh_periodic = True
+        gpus = self._latest_gpus()
+        efa = tuple(s for item in self.scheduled if item.last for s in item.last.efa)
+        enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
+        for event in enriched:
+            self.xids.add(event)
+        if self.verdict is None or enriched or fresh_periodic:
+            collection = Collection(
+                timestamp=now, gpus=gpus, xids=enriched, efa=efa,
+                health=tuple(self._health.values()), boot_id=self.boot_id,
+                expected_gpus=self.settings.expected_gpus,
+                expected_efa_devices=self.settings.expected_efa_devices,
+            )
+            verdict = self.classifier.observe(collection)
+            if enriched:
+                log.info("xids=%s verdict=%s", ",".join(str(x.xid) for x in enriched), verdict.action.value)
+            self._persist()
+            self._set_verdict(verdict)
+        self.cycles += 1
+        self._publish(now, gpus, efa)
+        return self.verdict
+
+    def _collect(self, source: Source, now: float) -> SourceResult:
+        started = time.monotonic()
+        try:
+            result = source.collect(now)
+        except Exception as exc:  # a source bug must not stop the others
+            log.exception("source=%s collect raised", source.name)
+            result = SourceResult(health=SourceHealth(source=source.name, up=False, detail=repr(exc),
+                                                      errors={"exception": 1}))
+        elapsed = time.monotonic() - started
+        self._health[source.name] = replace(result.health, duration_seconds=elapsed)
+        if self.telemetry is not None:
+            self.telemetry.observe_collect(source.name, elapsed)
+        return result
+
+    def _latest_gpus(self) -> tuple[GpuSample, ...]:
+        """NVML is authoritative; dcgm fills in only when NVML has nothing (no library in the pod)."""
+        by_source: dict[str, tuple[GpuSample, ...]] = {}
+        for item in self.scheduled:
+            if item.last and item.last.gpus:
+                by_source[item.source.name] = item.last.gpus
+        return by_source.get("nvml") or by_source.get("dcgm") or ()
+
+    def _persist(self) -> None:
+        cursor = None
+        for source in self.event_sources:
+            if hasattr(source, "cursor"):
+                cursor = source.cursor.to_dict()
+        try:
+            if cursor is not None:
+                self.state.put("kmsg_cursor", cursor)
+            self.state.put("classifier", self.classifier.export_state())
+            self.state.put("boot_id", self.boot_id)
+            self.state.flush()
+        except Exception:
+            log.exception("state save failed; the node object remains the record")
+
+    def _set_verdict(self, verdict: Verdict) -> None:
+        previous = self.verdict
+        self.verdict = verdict
+        if previous is None or previous.action != verdict.action:
+            log.info("verdict action=%s findings=%s", verdict.action.value,
+                     ",".join(f"{f.code}:{f.subject}" for f in verdict.findings) or "-")
+        if self.intake is not None and verdict.action.needs_node_action and (
+                previous is None or not previous.action.needs_node_action):
+            self.intake.note_fault(verdict.timestamp)
+        if self.effects_worker is not None:
+            self.effects_worker.submit(verdict)
+
+    def _on_kube_status(self, status: KubeStatus) -> None:
+        self._kube_status = status
+
+    def _publish(self, now: float, gpus: tuple[GpuSample, ...], efa: tuple[EfaSample, ...]) -> None:
+        if self.telemetry is None:
+            return
+        self.telemetry.publish(AgentSnapshot(
+            timestamp=now, gpus=gpus, efa=efa, xid_counts=self.xids.snapshot(),
+            health=tuple(self._health.values()), verdict=self.verdict, kube=self._kube_status,
+            ready=self.ready,
+        ))
+
+    @property
+    def ready(self) -> bool:
+        """Ready once a cycle ran and Kubernetes was reached (or we are not writing to it)."""
+        if self.cycles == 0:
+            return False
+        if self.settings.kube in ("dry-run", "off") or self.effects_worker is None:
+            return True
+        return self._kube_status.reachable
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def next_wait(self) -> float:
+        now = self.clock()
+        due = min((item.next_due for item in self.scheduled), default=now + 1.0)
+        return max(0.0, min(due - now, self.settings.kmsg_poll_seconds))
+
+    def start_effects(self) -> None:
+        if self.effects_worker is not None:
+            self.effects_worker.start()
+
+    def run(self, stop: threading.Event, server=None) -> None:
+        """Cycle until ``stop`` is set; then let the write in flight finish and save state."""
+        self.start_effects()
+        log.info("agent started version=%s node=%s kube=%s host_root=%s", __version__,
+                 self.settings.node_name or "-", self.settings.kube, self.settings.host_root)
+        while not stop.is_set():
+            try:
+                self.cycle()
+            except Exception:  # the loop outlives any bug in one cycle; the metric shows it
+                log.exception("cycle failed")
+            if server is not None:
+                server.heartbeat(self.clock())
+                server.set_ready(self.ready)
+            if stop.wait(0) or self.wake.wait(self.next_wait()):
+                self.wake.clear()
+        self.shutdown()
+
+    def shutdown(self, grace_seconds: float = 10.0) -> None:
+        if self.effects_worker is not None:
+            self.effects_worker.stop(grace_seconds)
+        self._persist()
+        for item in self.scheduled:
+            _close(item.source)
+        for source in self.event_sources:
+            _close(source)
+        log.info("agent stopped")
+
+
+def _close(source: Source) -> None:
+    try:
+        source.close()
+    except Exception:
+        log.exception("source=%s close failed", getattr(source, "name", "?"))
+
+
+def verdict_action(verdict: Verdict | None) -> Action:
+    return verdict.action if verdict else Action.NONE
+
+
+# -- assembly -------------------------------------------------------------------------------------
+
+DEMO_SCENARIO_FILE = "nvml-scenario.json"
+
+
+def activate_stub_nvml_if_demo(host_root: str) -> str | None:
+    """A demo host root carries its NVML scenario; then NVML is the stub library, said loudly.
+
+    Real nodes never have ``nvml-scenario.json`` at their root, so this cannot shadow a real
+    driver; ``HEALTHAGENT_STUB_NVML_SCENARIO`` set by hand does the same for tests.
+    """
+    import os
+
+    scenario = os.environ.get("HEALTHAGENT_STUB_NVML_SCENARIO") or ""
+    demo_file = os.path.join(host_root, DEMO_SCENARIO_FILE)
+    if not scenario and os.path.isfile(demo_file):
+        scenario = demo_file
+    if not scenario:
+        return None
+    from pathlib import Path
+
+    from healthagent.demo import stub_nvml
+
+    os.environ["HEALTHAGENT_STUB_NVML_SCENARIO"] = scenario
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "healthagent"
+    lib = stub_nvml.build_stub(cache)
+    stub_nvml.preload_stub(lib)
+    log.warning("NVML is the stub library %s with scenario %s (demo/test host root)", lib, scenario)
+    return scenario
+
+
+def build_sources(settings: Settings, on_event: Callable[[], None] | None = None, kmsg_cursor=None):
+    """The sources the settings ask for: (scheduled periodic sources, event sources, nvml)."""
+    from healthagent.sources.efa import EfaSource
+    from healthagent.sources.kmsg import KmsgSource
+
+    scheduled: list[Scheduled] = []
+    nvml = None
+    if settings.nvml:
+        activate_stub_nvml_if_demo(settings.host_root)
+        from healthagent.sources.nvml import NvmlSource
+
+        nvml = NvmlSource(expected_gpus=settings.expected_gpus, on_event=on_event)
+        scheduled.append(Scheduled(nvml, settings.nvml_interval_seconds))
+    scheduled.append(Scheduled(EfaSource(settings.host_root), settings.efa_interval_seconds))
+    if settings.dcgm_url:
+        from healthagent.sources.dcgm import DcgmSource
+
+        scheduled.append(Scheduled(DcgmSource(settings.dcgm_url, settings.dcgm_timeout_seconds),
+                                   settings.dcgm_interval_seconds))
+    kmsg = KmsgSource(settings.host_root, settings.kernel_log, cursor=kmsg_cursor,
+                      max_records_per_cycle=settings.kmsg_max_records_per_cycle)
+    return scheduled, [kmsg], nvml
+
+
+def build_classifier(settings: Settings):
+    from healthagent.policy.catalog import load_catalog
+    from healthagent.policy.classify import Classifier
+    from healthagent.policy.settings import load_policy
+
+    policy = load_policy(settings.policy_file)
+    return Classifier(policy, load_catalog(policy))
+
+
+def build_effects(settings: Settings, state):
+    """NodeEffects for the configured Kubernetes mode; None when kube=off (no effects at all)."""
+    if settings.kube == "off":
+        return None
+    from healthagent.effects.kube import NodeEffects
+
+    if settings.kube == "dry-run":
+        return NodeEffects(settings, None, state)
+    if not settings.node_name:
+        from healthagent.config import ConfigError
+
+        raise ConfigError("node_name: the agent must know its own node; set NODE_NAME from the "
+                          "downward API (spec.nodeName) or pass --node-name")
+    from kubernetes import client, config
+
+    if settings.kube == "kubeconfig":
+        configuration = client.Configuration()
+        config.load_kube_config(config_file=settings.kubeconfig, client_configuration=configuration)
+    else:
+        configuration = client.Configuration()
+        config.load_incluster_config(client_configuration=configuration)
+    return NodeEffects(settings, client.ApiClient(configuration), state)
+
+
+class AgentRuntime:
+    """Everything ``healthagent run`` starts, with start/stop so the demo and tests can hold it."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+        from healthagent.effects.state import StateStore
+        from healthagent.sources.kmsg import KmsgCursor
+        from healthagent.telemetry.metrics import Telemetry
+        from healthagent.telemetry.server import AgentServer
+        from healthagent.telemetry.training import TrainingIntake
+
+        self.settings = settings
+        self.stop_event = threading.Event()
+        self.state = StateStore(settings.state_file)
+        self.state.load()
+        wake = threading.Event()
+        cursor = KmsgCursor.from_dict(self.state.get("kmsg_cursor") or {})
+        scheduled, event_sources, nvml = build_sources(settings, on_event=wake.set, kmsg_cursor=cursor)
+        classifier = build_classifier(settings)
+        classifier.restore_state(self.state.get("classifier") or {})
+        self.telemetry = Telemetry(__version__)
+        self.intake = TrainingIntake(settings.training_max_jobs, settings.training_job_idle_seconds)
+        self.telemetry.registry.register(self.intake)
+        host, port = settings.listen_address()
+        self.server = AgentServer(self.telemetry, self.intake, host, port)
+        self.agent = Agent(
+            settings, sources=scheduled, event_sources=event_sources, nvml=nvml,
+            classifier=classifier, state=self.state, effects=build_effects(settings, self.state),
+            telemetry=self.telemetry, intake=self.intake, wake=wake, clock=clock,
+        )
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Serve HTTP and run the loop on a background thread."""
+        self.server.start()
+        self._thread = threading.Thread(target=self.agent.run, args=(self.stop_event, self.server),
+                                        name="healthagent-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace_seconds: float = 10.0) -> None:
+        self.stop_event.set()
+        self.agent.wake.set()
+        if self._thread is not None:
+            self._thread.join(grace_seconds)
+        self.server.stop()
+
+
+def run_agent(settings: Settings) -> int:
+    """``healthagent run``: start, wait for SIGTERM/SIGINT, finish the write in flight, exit 0."""
+    import signal
+
+    runtime = AgentRuntime(settings)
+
+    def _stop(signum, _frame) -> None:
+        log.info("signal=%d stopping", signum)
+        runtime.stop_event.set()
+        runtime.agent.wake.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    runtime.start()
+    while not runtime.stop_event.wait(1.0):
+        pass
+    runtime.stop()
+    return 0

@@ -1,0 +1,126 @@
+"""``healthagent demo``: the real agent on the bundled demo node through a scripted fault.
+
+Nothing here is a mock of the agent: the demo builds a p5.48xlarge-shaped host root (32 EFA
+devices in a sysfs tree, a /dev/kmsg-format log, an 8 x H100 NVML scenario served by the stub
+``libnvidia-ml.so.1`` compiled from C), starts the same ``AgentRuntime`` that ``healthagent run``
+starts, with Kubernetes in dry-run, and then appends a real-format XID record to the kernel log.
+What the demo prints is read back from the running agent: its verdict and its ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from healthagent.config import load_settings
+
+POLL_SECONDS = 0.02
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(POLL_SECONDS)
+    return False
+
+
+def _metrics_excerpt(url: str, prefixes: tuple[str, ...]) -> list[str]:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return [line for line in text.splitlines()
+            if line.startswith(prefixes) and not line.endswith(" 0.0")]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from healthagent.demo.node import build_demo_root
+
+    if args.prepare:
+        node = build_demo_root(Path(args.prepare))
+        _say(f"demo host root written to {node.root}")
+        _say(f"try: healthagent check --host-root {node.root}")
+        return 0
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="  log: %(levelname)s %(name)s %(message)s")
+    logging.getLogger("healthagent.effects").setLevel(logging.INFO)
+    with tempfile.TemporaryDirectory(prefix="healthagent-demo-") as tmp:
+        node = build_demo_root(Path(tmp) / "host")
+        settings = load_settings(env={}, flags={
+            "host_root": str(node.root), "kube": "dry-run", "listen": args.listen,
+            "state_file": str(Path(tmp) / "state.json"), "node_name": "demo-p5-node",
+            "expected_gpus": 8, "expected_efa_devices": len(node.efa_devices),
+            "nvml_interval_seconds": 1, "efa_interval_seconds": 1, "log_level": "WARNING",
+        })
+        from healthagent.agent import AgentRuntime
+
+        runtime = AgentRuntime(settings)
+        runtime.start()
+        try:
+            return _script(args, node, runtime)
+        finally:
+            runtime.stop()
+
+
+def _script(args: argparse.Namespace, node, runtime) -> int:
+    agent = runtime.agent
+    metrics_url = f"http://127.0.0.1:{runtime.server.port}/metrics"
+    _say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 via the stub NVML library, "
+         f"{len(node.efa_devices)} EFA devices), Kubernetes in dry-run")
+    if not _wait_for(lambda: agent.verdict is not None and agent.cycles > 0, 15):
+        _say("the agent did not complete a cycle in 15 s; see the log lines above")
+        return 3
+    snapshot_gpus = agent._latest_gpus()
+    efa_devices = sorted({s.device for item in agent.scheduled if item.last for s in item.last.efa})
+    _say(f"\n1. Healthy start: read {len(snapshot_gpus)} GPUs and {len(efa_devices)} EFA devices; "
+         f"verdict = {agent.verdict.action.value}")
+    for gpu in snapshot_gpus:
+        _say(f"   GPU {gpu.index}  {gpu.pci_bus_id}  {gpu.name}  {gpu.temperature_c} C  {gpu.power_w} W")
+    _say(f"   metrics: {metrics_url}")
+
+    pci = node.gpu_pci_bus_ids[args.gpu]
+    _say(f"\n2. Fault: the driver logs XID {args.xid} on GPU {args.gpu} ({pci}) in the kernel log")
+    started = time.monotonic()
+    node.inject_xid(args.gpu, args.xid)
+    detected = _wait_for(lambda: any(args.xid in f.xids for f in agent.verdict.findings), 10)
+    elapsed = time.monotonic() - started
+    if not detected:
+        _say("   the agent did not report the XID within 10 s")
+        return 3
+    verdict = agent.verdict
+    _say(f"   detected in {elapsed * 1000:.0f} ms; verdict = {verdict.action.value}")
+    for f in verdict.findings:
+        where = f"GPU {f.gpu_index} {f.pci_bus_id}" if f.gpu_index is not None else f.subject
+        _say(f"   [{f.code}] {where}: {f.action.value}")
+        _say(f"      why:  {f.summary}")
+        _say(f"      seen: {f.evidence}")
+        _say(f"      next: {f.next_steps}")
+
+    _say("\n3. What the agent would write to Kubernetes (dry-run; log lines above show each write)")
+    _wait_for(lambda: agent.effects_worker is None or agent.effects_worker.reconciles > 0, 5)
+    kube = agent._kube_status
+    _say(f"   taint effect now: {kube.taint_effect or 'none'}; budget blocked: {kube.budget_blocked}")
+
+    _say("\n4. What Prometheus scrapes from the agent now")
+    _wait_for(lambda: True, 0.2)
+    for line in _metrics_excerpt(metrics_url, ("healthagent_xid_errors_total", "healthagent_node_action",
+                                               "healthagent_findings", "healthagent_gpu_up{gpu=\"%d\"" % args.gpu)):
+        _say(f"   {line}")
+    if args.keep_running:
+        _say(f"\nserving {metrics_url} until Ctrl-C")
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0
