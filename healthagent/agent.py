@@ -38,18 +38,9 @@ from healthagent.model import (
     XidCount,
     XidEvent,
 )
-from healthagent.sources.base import Source, SourceResult, host_path
+from healthagent.sources.base import Source, SourceResult, read_boot_id
 
 log = logging.getLogger(__name__)
-
-
-def read_boot_id(host_root: str) -> str:
-    """The host's boot id; it tells a reboot (reboot-class taints clear) from an agent restart."""
-    try:
-        with open(host_path(host_root, "/proc/sys/kernel/random/boot_id"), encoding="ascii") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
 
 
 @dataclass
@@ -292,7 +283,8 @@ class Agent:
         self.telemetry.publish(AgentSnapshot(
             timestamp=now, gpus=gpus, efa=efa, xid_counts=self.xids.snapshot(),
             health=tuple(self._health.values()), verdict=self.verdict, kube=self._kube_status,
-            ready=self.ready,
+            ready=self.ready, expected_gpus=self.settings.expected_gpus,
+            expected_efa_devices=self.settings.expected_efa_devices,
         ))
 
     @property

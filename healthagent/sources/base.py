@@ -75,3 +75,12 @@ class ErrorTally:
 def host_path(host_root: str, path: str) -> str:
     """Join an absolute host path under the host root (node_exporter's ``--path.rootfs``)."""
     return os.path.join(host_root, path.lstrip("/"))
+
+
+def read_boot_id(host_root: str) -> str:
+    """The host's boot id; it tells a reboot (reboot-class taints clear) from an agent restart."""
+    try:
+        with open(host_path(host_root, "/proc/sys/kernel/random/boot_id"), encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
