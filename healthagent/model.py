@@ -297,6 +297,10 @@ class KubeStatus:
     # Cumulative API writes by (kind, result): kind node|node_status|event, result ok|conflict|error.
     writes: Mapping[tuple[str, str], int] = field(default_factory=dict)
     pending_writes: int = 0  # desired state not yet applied (API down)
+    # The last operator clear the effects acted on (``healthagent.io/clear`` annotation value, or
+    # "taint-removed-<time>" when the agent's taint was removed by hand). When it changes, the
+    # loop calls the classifier's ``clear()`` once and remembers the token in its state.
+    clear_token: str = ""
 
 
 @dataclass(frozen=True)
@@ -312,3 +316,6 @@ class AgentSnapshot:
     verdict: Verdict | None = None
     kube: KubeStatus = field(default_factory=KubeStatus)
     ready: bool = False
+    # Inventory the node must have (Settings.expected_gpus / expected_efa_devices); None = unknown.
+    expected_gpus: int | None = None
+    expected_efa_devices: int | None = None
