@@ -1,0 +1,173 @@
+"""Every overlay renders with the real kubectl and every object is valid Kubernetes.
+
+Built-in kinds are checked against the OpenAPI schemas of ``kubernetes-validate`` in strict mode
+(an unknown field is an error) for the oldest supported Kubernetes (1.30: ValidatingAdmissionPolicy
+v1 and node-bound service-account tokens) and the newest the package knows. prometheus-operator
+kinds have no schema there, so their shape is checked here field by field.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from healthagent import __version__
+from tests.support.deploy import (
+    COMPONENTS,
+    DEPLOY,
+    OVERLAYS,
+    find,
+    kinds,
+    overlay_with_components,
+    render,
+    render_text,
+)
+
+pytestmark = pytest.mark.integration
+
+MIN_KUBERNETES = "1.30.0"
+KUBERNETES_VERSIONS = (MIN_KUBERNETES, kubernetes_validate.latest_version())
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+IMAGE = f"healthagent:{__version__}"
+
+BASE_OBJECTS = [
+    ("ClusterRole", "healthagent"),
+    ("ClusterRoleBinding", "healthagent"),
+    ("DaemonSet", "healthagent"),
+    ("Namespace", "healthagent"),
+    ("PrometheusRule", "healthagent"),
+    ("Role", "healthagent-events"),
+    ("RoleBinding", "healthagent-events"),
+    ("Service", "healthagent"),
+    ("ServiceAccount", "healthagent"),
+    ("ServiceMonitor", "healthagent"),
+    ("ValidatingAdmissionPolicy", "healthagent-own-node-only"),
+    ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-only"),
+]
+
+
+def schema_errors(objects: list[dict[str, Any]], version: str) -> list[str]:
+    errors = []
+    for obj in objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
+    return errors
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_the_expected_objects(rendered, overlay):
+    objects = rendered[overlay]
+    dashboards = [o for o in objects if o["kind"] == "ConfigMap"]
+    expected = [k for k in BASE_OBJECTS if overlay != "dry-run" or k[0] not in ("Role", "RoleBinding")]
+    assert [k for k in kinds(objects) if k[0] != "ConfigMap"] == expected
+    assert all(o["metadata"]["labels"]["grafana_dashboard"] == "1" for o in dashboards)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_builtin_object_is_valid_kubernetes(rendered, overlay, version):
+    assert schema_errors(rendered[overlay], version) == []
+
+
+@pytest.mark.parametrize("components", [[c] for c in COMPONENTS] + [list(COMPONENTS)])
+def test_components_render_valid_on_every_overlay(kubectl, tmp_path, components):
+    for overlay in OVERLAYS:
+        objects = render(overlay_with_components(tmp_path / overlay, overlay, components), kubectl)
+        for version in KUBERNETES_VERSIONS:
+            assert schema_errors(objects, version) == [], (overlay, components)
+
+
+def test_the_validator_rejects_an_unknown_field(rendered):
+    """The schema check can fail: a misspelt field in the DaemonSet is reported."""
+    daemonset = copy.deepcopy(find(rendered["generic"], "DaemonSet"))
+    daemonset["spec"]["template"]["spec"]["tolerationz"] = []
+    assert len(schema_errors([daemonset], MIN_KUBERNETES)) == 1
+
+
+def test_every_namespaced_object_is_in_the_healthagent_namespace(rendered):
+    """...except the Event Role: Events about nodes live in "default" (healthagent/effects/events.py)."""
+    from healthagent.effects.events import EVENTS_NAMESPACE
+
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                      "ValidatingAdmissionPolicyBinding"}
+    for overlay, objects in rendered.items():
+        for obj in objects:
+            expected = None if obj["kind"] in cluster_scoped else "healthagent"
+            if obj["kind"] in ("Role", "RoleBinding"):
+                expected = EVENTS_NAMESPACE
+            assert obj["metadata"].get("namespace") == expected, (overlay, obj["kind"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_image_is_the_package_version_once(kubectl, overlay):
+    """docs/install.md's quick start rewrites exactly this string to the operator's registry."""
+    text = render_text(DEPLOY / "overlays" / overlay, kubectl)
+    assert text.count(f"image: {IMAGE}\n") == 1
+
+
+# -- prometheus-operator objects (no schema in kubernetes-validate) ---------------------------------
+
+def assert_scrape_endpoint(endpoint: dict[str, Any]) -> None:
+    assert endpoint["port"] == "metrics"
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["honorLabels"] is True
+    assert endpoint["relabelings"] == [{"action": "replace",
+                                        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                                        "targetLabel": "node"}]
+    assert set(endpoint) <= {"port", "path", "scheme", "interval", "scrapeTimeout", "honorLabels",
+                             "relabelings"}
+
+
+def test_service_monitor_scrapes_the_agent_service(rendered):
+    objects = rendered["generic"]
+    monitor = find(objects, "ServiceMonitor")
+    service = find(objects, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor["spec"]) == {"jobLabel", "selector", "endpoints"}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    # The scrape job is the Service's app.kubernetes.io/name: "healthagent", as the alerts expect.
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "healthagent"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in [p["name"] for p in service["spec"]["ports"]]
+    assert_scrape_endpoint(endpoint)
+
+
+def test_service_is_headless_and_selects_the_agent_pods(rendered):
+    objects = rendered["generic"]
+    service = find(objects, "Service")
+    pod_labels = find(objects, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9410, "targetPort": "metrics",
+                                         "protocol": "TCP"}]
+
+
+def test_podmonitor_component_replaces_the_service_monitor(kubectl, tmp_path):
+    objects = render(overlay_with_components(tmp_path, "generic", ["podmonitor"]), kubectl)
+    assert [o for o in objects if o["kind"] == "ServiceMonitor"] == []
+    monitor = find(objects, "PodMonitor")
+    pod_labels = find(objects, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pod_labels[monitor["spec"]["jobLabel"]] == "healthagent"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert_scrape_endpoint(endpoint)
+
+
+def test_prometheus_rule_has_the_operator_shape(rendered):
+    rule = find(rendered["generic"], "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule["spec"]) == {"groups"}
+    for group in rule["spec"]["groups"]:
+        assert isinstance(group["name"], str) and group["rules"]
+        for item in group["rules"]:
+            assert ("alert" in item) != ("record" in item)
+            assert isinstance(item["expr"], str)

