@@ -210,7 +210,8 @@ class Agent:
         enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
         for event in enriched:
             self.xids.add(event)
-        if self.verdict is None or enriched or fresh_periodic:
+        cleared = self._apply_operator_clear(now)
+        if self.verdict is None or enriched or fresh_periodic or cleared:
             collection = Collection(
                 timestamp=now, gpus=gpus, xids=enriched, efa=efa,
                 health=tuple(self._health.values()), boot_id=self.boot_id,
@@ -225,6 +226,18 @@ class Agent:
         self.cycles += 1
         self._publish(now, gpus, efa)
         return self.verdict
+
+    def _apply_operator_clear(self, now: float) -> bool:
+        """An operator cleared the node (``healthagent.io/clear`` annotation, or the agent's taint
+        removed by hand): forget every open finding, once per token. The token is saved with the
+        classifier state in the same atomic write, so a restart never clears twice."""
+        token = self._kube_status.clear_token
+        if not token or token == self.state.get("clear_handled"):
+            return False
+        cleared = self.classifier.clear(now, f"operator clear {token}")
+        self.state.put("clear_handled", token)
+        log.warning("operator_clear token=%s findings_cleared=%d", token, cleared)
+        return True
 
     def _collect(self, source: Source, now: float) -> SourceResult:
         started = time.monotonic()

@@ -1,0 +1,151 @@
+"""``events.k8s.io/v1`` Events on the node: what to say, and saying each thing exactly once.
+
+Every Event has a key (``finding/<Finding.key>``, ``cleared/<time>``, ``budget/<finding key>``).
+The ledger keeps the keys already delivered (bounded, oldest forgotten first) and an outbox of
+Events decided but not yet delivered (the API server may be down), both in the state file, so a
+restart neither repeats nor loses one. The Event's object name is derived from the node and the
+key, so even a SIGKILL between the POST and the state write cannot duplicate it: the second POST
+gets 409 AlreadyExists and the ledger records the key as delivered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+from healthagent.model import Finding
+
+log = logging.getLogger(__name__)
+
+REPORTING_CONTROLLER = "healthagent.io/agent"
+EVENTS_NAMESPACE = "default"  # where the kubelet puts Events about (cluster-scoped) Nodes
+NOTE_MAX_BYTES = 1024  # the API server rejects longer notes
+MAX_EMITTED = 1024
+MAX_OUTBOX = 128
+
+WARNING = "Warning"
+NORMAL = "Normal"
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    key: str
+    type: str  # Normal | Warning
+    reason: str  # the finding code, or Cleared / TaintBlockedByBudget
+    action: str  # what the agent did: Detected, Cleared, TaintHeldBack
+    note: str
+    at: float
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "EventSpec | None":
+        try:
+            return cls(key=str(data["key"]), type=str(data["type"]), reason=str(data["reason"]),
+                       action=str(data["action"]), note=str(data["note"]), at=float(data["at"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def finding_event(finding: Finding, now: float) -> EventSpec:
+    note = f"[{finding.action.value}] {finding.summary}. Evidence: {finding.evidence}"
+    if finding.next_steps:
+        note += f" Next: {finding.next_steps}"
+    return EventSpec(key=f"finding/{finding.key}", type=WARNING, reason=finding.code,
+                     action="Detected", note=clip_note(note), at=now)
+
+
+def clip_note(text: str) -> str:
+    data = text.encode("utf-8")
+    if len(data) <= NOTE_MAX_BYTES:
+        return text
+    return data[: NOTE_MAX_BYTES - 3].decode("utf-8", errors="ignore") + "..."
+
+
+def event_name(node_name: str, key: str) -> str:
+    """A deterministic object name: the same Event always has the same name (no duplicates)."""
+    digest = hashlib.sha256(f"{node_name}\n{key}".encode("utf-8")).hexdigest()[:16]
+    prefix = (node_name or "node")[: 253 - 1 - len(digest) - len(".healthagent")]
+    return f"{prefix}.healthagent.{digest}".lower()
+
+
+def micro_time(ts: float) -> str:
+    """``MicroTime`` as the API server parses it (RFC 3339, exactly six fraction digits).
+
+    The microsecond is never 0: version 37 of the ``kubernetes`` client re-serialises an Event's
+    ``eventTime`` with ``datetime.isoformat()``, which drops a zero fraction, and the API server's
+    RFC3339Micro parser then rejects the Event.
+    """
+    when = datetime.fromtimestamp(ts, timezone.utc)
+    if when.microsecond == 0:
+        when = when.replace(microsecond=1)
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def event_body(spec: EventSpec, node_name: str, node_uid: str = "") -> dict:
+    regarding = {"apiVersion": "v1", "kind": "Node", "name": node_name}
+    if node_uid:
+        regarding["uid"] = node_uid
+    return {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"name": event_name(node_name, spec.key), "namespace": EVENTS_NAMESPACE},
+        "eventTime": micro_time(spec.at),
+        "reportingController": REPORTING_CONTROLLER,
+        "reportingInstance": node_name[:128],
+        "action": spec.action,
+        "reason": spec.reason[:128],
+        "type": spec.type,
+        "note": clip_note(spec.note),
+        "regarding": regarding,
+    }
+
+
+class EventLedger:
+    """Delivered keys and the outbox, restored from and saved to the effects record."""
+
+    def __init__(self, emitted: Any = None, outbox: Any = None, max_emitted: int = MAX_EMITTED,
+                 max_outbox: int = MAX_OUTBOX) -> None:
+        self.max_emitted = max_emitted
+        self.max_outbox = max_outbox
+        self.emitted: dict[str, float] = {}
+        if isinstance(emitted, dict):
+            for key, at in emitted.items():
+                try:
+                    self.emitted[str(key)] = float(at)
+                except (TypeError, ValueError):
+                    continue
+        restored = [EventSpec.from_dict(d) for d in outbox] if isinstance(outbox, list) else []
+        self.outbox: list[EventSpec] = [s for s in restored if s is not None]
+        self.dropped = 0
+        self._trim()
+
+    def want(self, specs: Iterable[EventSpec]) -> None:
+        """Queue Events not yet delivered nor queued."""
+        queued = {s.key for s in self.outbox}
+        for spec in specs:
+            if spec.key in self.emitted or spec.key in queued:
+                continue
+            self.outbox.append(spec)
+            queued.add(spec.key)
+        self._trim()
+
+    def delivered(self, spec: EventSpec, now: float) -> None:
+        self.outbox = [s for s in self.outbox if s.key != spec.key]
+        self.emitted[spec.key] = now
+        self._trim()
+
+    def _trim(self) -> None:
+        if len(self.emitted) > self.max_emitted:
+            oldest = sorted(self.emitted.items(), key=lambda kv: kv[1])
+            for key, _ in oldest[: len(self.emitted) - self.max_emitted]:
+                del self.emitted[key]
+        if len(self.outbox) > self.max_outbox:
+            lost = len(self.outbox) - self.max_outbox
+            self.dropped += lost
+            log.warning("effects events_dropped=%d outbox_max=%d reason=outbox_full", lost, self.max_outbox)
+            self.outbox = self.outbox[lost:]
+
+    def to_state(self) -> dict:
+        return {"emitted": dict(self.emitted), "outbox": [asdict(s) for s in self.outbox]}

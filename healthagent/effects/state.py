@@ -1,0 +1,167 @@
+"""What must survive a restart or a SIGKILL: one small JSON file, written atomically.
+
+The loop keeps the kernel-log cursor and the classifier's open findings here; the effects keep
+what they applied to the node and when (the NoExecute grace start), the Event keys they emitted and
+the Events not yet delivered. Each owner writes under its own top-level key (``kmsg_cursor``,
+``classifier``, ``effects`` ...), and one ``flush`` writes them all together, so a crash leaves
+either the old file or the new one, never a mix.
+
+Why a file and not the API server: the agent must keep its decisions while the API server is down,
+and there is no database (the node object and this file are the record). Why never raise: a health
+agent that dies because its state disk is full or read-only is worse than one that keeps detecting
+and tainting with what it has in memory; the failure is counted (``errors``) and logged instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from healthagent.sources.base import ErrorTally
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+
+
+class StateStore:
+    """A JSON object on disk, shared by the loop thread and the effects thread.
+
+    ``put`` keeps a deep copy (so a caller mutating its dict later cannot change what is saved),
+    ``get`` returns a deep copy, ``flush`` writes the whole object with temp file + fsync + rename +
+    directory fsync, and skips the disk when nothing changed since the last write (a steady state
+    costs no I/O). ``errors`` counts problems by kind: ``corrupt``, ``unreadable``, ``unwritable``,
+    ``too_large``, ``not_json``.
+    """
+
+    def __init__(self, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self._data: dict[str, Any] = {}
+        self._lock = threading.Lock()  # guards _data
+        self._flush_lock = threading.Lock()  # orders snapshot + rename between threads
+        self._last_written: bytes | None = None
+        self._tally = ErrorTally("state")
+
+    @property
+    def errors(self) -> dict[str, int]:
+        return self._tally.snapshot()
+
+    def load(self) -> dict[str, Any]:
+        """Read the file; a missing file is an empty state, a corrupt one is moved aside.
+
+        Returns a copy of what was loaded. Never raises.
+        """
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            data: dict[str, Any] = {}
+            raw = None
+        except OSError as exc:
+            self._tally.count("unreadable", f"path={self.path} cannot read ({exc.strerror}); starting empty")
+            data, raw = {}, None
+        else:
+            data = self._parse(raw)
+        with self._lock:
+            self._data = data
+            self._last_written = raw if data else None
+            return copy.deepcopy(self._data)
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            if not isinstance(data, dict):
+                raise ValueError("top level is not an object")
+            return data
+        except (ValueError, UnicodeDecodeError) as exc:
+            aside = self.path.with_name(self.path.name + ".corrupt")
+            try:
+                os.replace(self.path, aside)
+                where = f"moved to {aside}"
+            except OSError as move_exc:
+                where = f"could not move aside ({move_exc.strerror})"
+            self._tally.count("corrupt", f"path={self.path} is not a JSON object ({exc}); {where}; "
+                                         "starting empty")
+            return {}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        with self._lock:
+            if key not in self._data:
+                return default
+            return copy.deepcopy(self._data[key])
+
+    def put(self, key: str, value: Any) -> None:
+        """Keep ``value`` (anything JSON can hold) under ``key``; written by the next ``flush``.
+
+        A value JSON cannot hold is counted and dropped (the old value stays): the caller's bug
+        must not make the whole file unwritable.
+        """
+        try:
+            stored = json.loads(json.dumps(value))
+        except (TypeError, ValueError) as exc:
+            self._tally.count("not_json", f"key={key} value is not JSON ({exc}); kept the old value")
+            return
+        with self._lock:
+            self._data[key] = stored
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return copy.deepcopy(self._data)
+
+    def flush(self) -> bool:
+        """Write atomically; True when the file on disk now holds the current state."""
+        with self._flush_lock:
+            with self._lock:
+                payload = json.dumps(self._data, sort_keys=True, separators=(",", ":")).encode("utf-8")
+            if payload == self._last_written:
+                return True
+            if len(payload) > self.max_bytes:
+                self._tally.count("too_large", f"path={self.path} state is {len(payload)} bytes, over "
+                                               f"{self.max_bytes}; not written")
+                return False
+            try:
+                self._write(payload)
+            except OSError as exc:
+                self._tally.count("unwritable", f"path={self.path} cannot write ({exc.strerror or exc}); "
+                                                "keeping state in memory")
+                return False
+            self._last_written = payload
+            return True
+
+    def _write(self, payload: bytes) -> None:
+        directory = self.path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable; some filesystems cannot open a directory (ignored)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,70 @@
+"""Helpers for the effects tests: settings, findings, verdicts and NodeEffects built like the agent does."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from healthagent.config import Settings
+from healthagent.effects.kube import NodeEffects
+from healthagent.effects.state import StateStore
+from healthagent.model import Action, Finding, Verdict
+from tests.support.kubefake import KubeFake
+
+TAINT_KEY = "healthagent.io/unhealthy"
+T0 = 1_700_000_000.0
+XID95_LINE = "NVRM: Xid (PCI:0000:53:00): 95, pid=1234, name=python, Uncontained ECC error"
+
+
+@dataclass
+class Sleeps:
+    """The injectable sleep: records the backoff delays instead of waiting."""
+
+    delays: list = field(default_factory=list)
+
+    def __call__(self, seconds: float) -> None:
+        self.delays.append(seconds)
+
+
+def settings_for(tmp_path: Path, node: str, **overrides) -> Settings:
+    values = dict(node_name=node, kube="in-cluster", state_file=str(tmp_path / "state" / "state.json"),
+                  replace_noexecute_grace_seconds=120.0)
+    values.update(overrides)
+    return Settings(**values)
+
+
+def start_effects(settings: Settings, fake: KubeFake | None, sleeps: Sleeps | None = None,
+                  **kwargs) -> NodeEffects:
+    """A NodeEffects over a freshly loaded state file, as the agent builds it after a restart."""
+    store = StateStore(settings.state_file)
+    store.load()
+    kwargs.setdefault("request_timeout", (2.0, 5.0))
+    return NodeEffects(settings, fake.api_client() if fake is not None else None, store,
+                       sleep=sleeps if sleeps is not None else Sleeps(), rng=random.Random(7), **kwargs)
+
+
+def finding(code: str = "GPU_XID", action: Action = Action.REPLACE_NODE, first_seen: float = T0,
+            pci: str = "0000:53:00.0", efa: str = "", xids: tuple = (95,)) -> Finding:
+    return Finding(
+        code=code, action=action,
+        summary=f"{code} on {pci or efa}",
+        evidence=XID95_LINE if xids else "counter rose",
+        next_steps="drain and replace the node", pci_bus_id="" if efa else pci, efa_device=efa,
+        xids=xids, first_seen=first_seen, last_seen=first_seen,
+    )
+
+
+def verdict(*findings: Finding, at: float = T0) -> Verdict:
+    return Verdict.of(list(findings), at)
+
+
+HEALTHY = Verdict.of([], T0)
+
+
+def our_taints(node: dict) -> list[dict]:
+    return [t for t in node.get("spec", {}).get("taints") or [] if t["key"] == TAINT_KEY]
+
+
+def condition(node: dict, ctype: str) -> dict:
+    return next(c for c in node["status"]["conditions"] if c["type"] == ctype)

@@ -1,0 +1,1027 @@
+"""A FAKE Kubernetes API server for tests: nodes and ``events.k8s.io/v1`` Events over real HTTP.
+
+No kube-apiserver can run on the test machines, so the agent's Kubernetes code is tested with the
+REAL ``kubernetes`` Python client talking HTTP to this server (``ThreadingHTTPServer`` on
+127.0.0.1, port 0). It honours the protocol for what the agent uses:
+
+- ``GET``/``PATCH``/``PUT``/``DELETE`` ``/api/v1/nodes/{name}`` and ``/api/v1/nodes/{name}/status``
+  (the main resource ignores status changes, the status subresource ignores spec and metadata,
+  as the real registry strategies do);
+- PATCH content types ``application/strategic-merge-patch+json`` (Node schema: ``spec.taints`` is
+  an atomic list and is replaced whole; ``status.conditions`` and ``status.addresses`` merge by
+  ``type``; ``$patch: delete|replace`` and ``$deleteFromPrimitiveList`` directives),
+  ``application/merge-patch+json`` (RFC 7386) and ``application/json-patch+json`` (RFC 6902);
+  server-side apply answers 415;
+- ``resourceVersion``: one cluster-wide counter bumped on every change, never on a no-op write;
+  a PATCH whose patched object carries another ``metadata.resourceVersion``, or a PUT with a stale
+  one, gets ``409 Conflict`` with a proper ``Status`` object;
+- ``LIST /api/v1/nodes`` with ``labelSelector`` (``=``, ``==``, ``!=``, exists, ``!key``, ``in``,
+  ``notin``) and ``fieldSelector`` (``metadata.name``, ``spec.unschedulable``);
+- ``watch=true`` streaming (chunked, one JSON event per line, ADDED/MODIFIED/DELETED with the
+  selector transitions the real server makes, ``ERROR`` 410 for a too-old resourceVersion,
+  ``timeoutSeconds``);
+- ``POST``/``GET``/``PATCH``/``DELETE`` ``/apis/events.k8s.io/v1/namespaces/{ns}/events[/{name}]``
+  with the events.k8s.io/v1 create validation (eventTime, reportingController, reportingInstance,
+  action, reason, type Normal|Warning, note <= 1 kB) and ``409 AlreadyExists``;
+- validation the agent could trip: taint effects, duplicate taints, label keys and values,
+  condition types (``422 Invalid``); ``404 NotFound`` Status for unknown objects and paths.
+
+Fault switches: ``go_down()``/``come_up()`` (the port really refuses connections and open
+keep-alive connections are cut), ``set_delay(seconds)`` (every answer is late), ``fail_next(n)``
+(the next n requests get 500), ``conflict_next_writes(n)`` (the next n writes get 409),
+``drop_watches()`` (open watch streams are cut mid-stream). Every request is recorded
+(``requests()``, ``writes()``) so tests can count what the client did.
+
+Use::
+
+    with KubeFake() as fake:
+        fake.seed_nodes(20)                          # gpu-node-0 .. gpu-node-19
+        api = kubernetes.client.CoreV1Api(fake.api_client())
+        ...                                          # the code under test
+        fake.conflict_next_writes(3); fake.go_down(); fake.come_up()
+        assert len(fake.writes("/api/v1/nodes/gpu-node-0")) == 2
+        assert fake.node("gpu-node-0")["spec"]["taints"] == [...]
+
+What it LEAVES OUT of Kubernetes: authentication, authorization (RBAC) and admission; every
+resource but nodes and events.k8s.io/v1 events (no core/v1 events, no leases, no discovery);
+protobuf, CBOR, YAML and table output; server-side apply and managedFields; pagination
+(``limit``/``continue`` are ignored); ``dryRun``; ``generation``; finalizers and graceful deletion;
+``$setElementOrder`` and ``$retainKeys`` (accepted, ignored); most field validation beyond the list
+above; Event TTL expiry; watch bookmarks; HTTP/2.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlsplit
+
+NODE_MERGE_KEYS: dict[tuple[str, ...], str] = {
+    ("status", "conditions"): "type",
+    ("status", "addresses"): "type",
+    ("status", "volumesAttached"): "name",
+    ("metadata", "ownerReferences"): "uid",
+}
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+EVENT_TYPES = ("Normal", "Warning")
+WATCH_HISTORY = 1000
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_PREFIX_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def qualified_name_problem(key: str) -> str | None:
+    """Kubernetes' IsQualifiedName: ``[prefix/]name``, prefix a DNS subdomain <= 253."""
+    prefix, _, name = key.rpartition("/")
+    if "/" in key and not prefix:
+        return f"{key!r}: prefix part must be non-empty"
+    if prefix and (len(prefix) > 253 or not _PREFIX_RE.match(prefix)):
+        return f"{key!r}: prefix part must be a lowercase DNS subdomain"
+    if not name or len(name) > 63 or not _NAME_RE.match(name):
+        return f"{key!r}: name part must be 63 characters or less, alphanumeric, '-', '_' or '.'"
+    return None
+
+
+def label_value_problem(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return f"{value!r}: a label value must be a string"
+    if len(value) > 63 or not _VALUE_RE.match(value):
+        return f"{value!r}: a valid label must be 63 characters or less, alphanumeric, '-', '_' or '.'"
+    return None
+
+
+class ApiError(Exception):
+    """An error the fake answers with a ``Status`` object."""
+
+    def __init__(self, code: int, reason: str, message: str, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message, self.details = code, reason, message, details or {}
+
+    def status(self) -> dict:
+        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": self.message, "reason": self.reason, "code": self.code}
+        if self.details:
+            body["details"] = self.details
+        return body
+
+
+def _not_found(kind: str, name: str, group: str = "") -> ApiError:
+    resource = f"{kind}.{group}" if group else kind
+    return ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": kind})
+
+
+def _conflict(kind: str, name: str, group: str = "") -> ApiError:
+    resource = f"{kind}.{group}" if group else kind
+    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {resource} "{name}": the object '
+                    "has been modified; please apply your changes to the latest version and try again",
+                    {"name": name, "kind": kind})
+
+
+def _invalid(kind: str, name: str, causes: list[str]) -> ApiError:
+    return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: ' + "; ".join(causes),
+                    {"name": name, "kind": kind,
+                     "causes": [{"reason": "FieldValueInvalid", "message": c} for c in causes]})
+
+
+# -- patches ---------------------------------------------------------------------------------------
+
+
+def json_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386: objects merge, null deletes, everything else (lists included) replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = json_merge_patch(result.get(key), value)
+    return result
+
+
+def strategic_merge_patch(target: Any, patch: Any, merge_keys: dict[tuple[str, ...], str],
+                          path: tuple[str, ...] = ()) -> Any:
+    """Kubernetes strategic merge for the schema given by ``merge_keys`` (path -> merge key).
+
+    Lists not named in ``merge_keys`` are atomic and replaced whole (as ``spec.taints`` is).
+    Returns None for a map carrying ``$patch: delete``.
+    """
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    directive = patch.get("$patch")
+    if directive == "delete":
+        return None
+    if directive == "replace":
+        return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
+    if directive is not None:
+        raise ApiError(422, "Invalid", f"unknown $patch directive {directive!r}")
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if key.startswith("$setElementOrder/") or key == "$retainKeys":
+            continue
+        if key.startswith("$deleteFromPrimitiveList/"):
+            field = key.split("/", 1)[1]
+            result[field] = [x for x in result.get(field) or [] if x not in (value or [])]
+            continue
+        if value is None:
+            result.pop(key, None)
+            continue
+        sub = path + (key,)
+        if isinstance(value, list) and sub in merge_keys:
+            result[key] = _merge_list(result.get(key) or [], value, merge_keys[sub], sub, merge_keys)
+        elif isinstance(value, dict):
+            merged = strategic_merge_patch(result.get(key), value, merge_keys, sub)
+            if merged is None:
+                result.pop(key, None)
+            else:
+                result[key] = merged
+        else:
+            result[key] = copy.deepcopy(value)
+    return result
+
+
+def _merge_list(current: list, items: list, key: str, path: tuple[str, ...],
+                merge_keys: dict[tuple[str, ...], str]) -> list:
+    if any(isinstance(i, dict) and i.get("$patch") == "replace" for i in items):
+        return [copy.deepcopy(i) for i in items if not (isinstance(i, dict) and "$patch" in i)]
+    result = copy.deepcopy(current)
+    for item in items:
+        if not isinstance(item, dict) or key not in item:
+            raise ApiError(422, "Invalid", f"map in list {'.'.join(path)} lacks merge key {key!r}")
+        index = next((n for n, have in enumerate(result)
+                      if isinstance(have, dict) and have.get(key) == item[key]), None)
+        if item.get("$patch") == "delete":
+            if index is not None:
+                del result[index]
+            continue
+        if index is None:
+            result.append(strategic_merge_patch({}, item, merge_keys, path))
+        else:
+            result[index] = strategic_merge_patch(result[index], item, merge_keys, path)
+    return result
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise ApiError(422, "Invalid", f"json patch path {path!r} must start with /")
+    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+
+
+def _parent(doc: Any, parts: list[str]) -> Any:
+    node = doc
+    for part in parts[:-1]:
+        if isinstance(node, list):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise ApiError(422, "Invalid", f"json patch: path element {part!r} does not exist")
+    return node
+
+
+def json_patch(doc: Any, ops: Any) -> Any:
+    """RFC 6902 (add, remove, replace, move, copy, test)."""
+    if not isinstance(ops, list):
+        raise ApiError(400, "BadRequest", "json patch must be a list of operations")
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        try:
+            doc = _json_patch_op(doc, op)
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise ApiError(422, "Invalid", f"json patch operation {op!r} failed: {exc!r}") from None
+    return doc
+
+
+def _get(doc: Any, parts: list[str]) -> Any:
+    node = doc
+    for part in parts:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def _json_patch_op(doc: Any, op: dict) -> Any:
+    kind, parts = op["op"], _pointer(op["path"])
+    if kind == "test":
+        if _get(doc, parts) != op["value"]:
+            raise ApiError(422, "Invalid", f"json patch test failed at {op['path']}")
+        return doc
+    if kind in ("move", "copy"):
+        value = copy.deepcopy(_get(doc, _pointer(op["from"])))
+        if kind == "move":
+            doc = _json_patch_op(doc, {"op": "remove", "path": op["from"]})
+        return _json_patch_op(doc, {"op": "add", "path": op["path"], "value": value})
+    if not parts:
+        if kind == "remove":
+            raise ValueError("cannot remove the whole document")
+        return copy.deepcopy(op["value"])
+    parent, last = _parent(doc, parts), parts[-1]
+    if kind == "add":
+        if isinstance(parent, list):
+            parent.insert(len(parent) if last == "-" else int(last), copy.deepcopy(op["value"]))
+        else:
+            parent[last] = copy.deepcopy(op["value"])
+    elif kind == "remove":
+        del parent[int(last) if isinstance(parent, list) else last]
+    elif kind == "replace":
+        if isinstance(parent, list):
+            parent[int(last)] = copy.deepcopy(op["value"])
+        else:
+            if last not in parent:
+                raise KeyError(last)
+            parent[last] = copy.deepcopy(op["value"])
+    else:
+        raise ValueError(f"unknown op {kind!r}")
+    return doc
+
+
+def apply_patch(current: dict, content_type: str, patch: Any, merge_keys: dict) -> dict:
+    if content_type == "application/strategic-merge-patch+json":
+        if not isinstance(patch, dict):
+            raise ApiError(400, "BadRequest", "strategic merge patch must be a JSON object")
+        return strategic_merge_patch(current, patch, merge_keys)
+    if content_type == "application/merge-patch+json":
+        if not isinstance(patch, dict):
+            raise ApiError(400, "BadRequest", "merge patch must be a JSON object")
+        return json_merge_patch(current, patch)
+    if content_type == "application/json-patch+json":
+        return json_patch(current, patch)
+    raise ApiError(415, "UnsupportedMediaType",
+                   f"the body of the request was in an unknown format ({content_type}); this fake "
+                   "supports strategic-merge, merge and json patches")
+
+
+# -- selectors -------------------------------------------------------------------------------------
+
+_REQ_RE = re.compile(
+    r"^\s*(?:(?P<notexists>!)\s*(?P<nkey>[^\s!=,()]+)"
+    r"|(?P<skey>[^\s!=,()]+)\s*(?P<setop>in|notin)\s*\((?P<values>[^)]*)\)"
+    r"|(?P<key>[^\s!=,()]+)\s*(?:(?P<op>==|=|!=)\s*(?P<value>[^\s,()=!]*))?)\s*$"
+)
+
+
+def _split_requirements(selector: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in selector:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        parts.append(current)
+    return parts
+
+
+def parse_label_selector(selector: str) -> Callable[[dict], bool]:
+    """A predicate over a labels map; raises ApiError 400 for a selector the server would reject."""
+    checks: list[Callable[[dict], bool]] = []
+    for raw in _split_requirements(selector or ""):
+        m = _REQ_RE.match(raw)
+        if not m:
+            raise ApiError(400, "BadRequest", f"unable to parse requirement {raw!r} in labelSelector")
+        if m.group("notexists"):
+            key = m.group("nkey")
+            checks.append(lambda labels, k=key: k not in labels)
+        elif m.group("setop"):
+            key, values = m.group("skey"), {v.strip() for v in m.group("values").split(",") if v.strip()}
+            if m.group("setop") == "in":
+                checks.append(lambda labels, k=key, vs=values: labels.get(k) in vs)
+            else:
+                checks.append(lambda labels, k=key, vs=values: labels.get(k) not in vs)
+        elif m.group("op"):
+            key, op, value = m.group("key"), m.group("op"), m.group("value")
+            if op == "!=":
+                checks.append(lambda labels, k=key, v=value: labels.get(k) != v)
+            else:
+                checks.append(lambda labels, k=key, v=value: k in labels and labels[k] == v)
+        else:
+            key = m.group("key")
+            checks.append(lambda labels, k=key: k in labels)
+    return lambda labels: all(check(labels or {}) for check in checks)
+
+
+NODE_FIELDS: dict[str, Callable[[dict], str]] = {
+    "metadata.name": lambda o: o["metadata"]["name"],
+    "spec.unschedulable": lambda o: "true" if o.get("spec", {}).get("unschedulable") else "false",
+}
+
+
+def parse_field_selector(selector: str, fields: dict[str, Callable[[dict], str]]) -> Callable[[dict], bool]:
+    checks: list[Callable[[dict], bool]] = []
+    for raw in _split_requirements(selector or ""):
+        m = re.match(r"^\s*([^!=\s]+)\s*(==|=|!=)\s*([^\s]*)\s*$", raw)
+        if not m:
+            raise ApiError(400, "BadRequest", f"invalid field selector {raw!r}")
+        field, op, value = m.groups()
+        if field not in fields:
+            raise ApiError(400, "BadRequest", f'"{field}" is not a known field selector: only '
+                           + ", ".join(f'"{f}"' for f in fields))
+        getter = fields[field]
+        if op == "!=":
+            checks.append(lambda o, g=getter, v=value: g(o) != v)
+        else:
+            checks.append(lambda o, g=getter, v=value: g(o) == v)
+    return lambda obj: all(check(obj) for check in checks)
+
+
+# -- the store -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request as the fake saw it (``status`` is what it answered; 0 = cut off)."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    content_type: str
+    body: Any
+    status: int
+    at: float
+
+    @property
+    def is_write(self) -> bool:
+        return self.method in ("POST", "PUT", "PATCH", "DELETE")
+
+
+@dataclass
+class _Watcher:
+    kind: str
+    matches: Callable[[dict], bool]
+    events: list
+    cond: threading.Condition
+    dropped: bool = False
+
+
+def _validate_node(node: dict) -> list[str]:
+    causes = []
+    meta = node.get("metadata") or {}
+    for key, value in (meta.get("labels") or {}).items():
+        problem = qualified_name_problem(key) or label_value_problem(value)
+        if problem:
+            causes.append(f"metadata.labels: Invalid value: {problem}")
+    for key, value in (meta.get("annotations") or {}).items():
+        if qualified_name_problem(key):
+            causes.append(f"metadata.annotations: Invalid value: {qualified_name_problem(key)}")
+        if not isinstance(value, str):
+            causes.append(f"metadata.annotations[{key}]: must be a string")
+    seen = set()
+    for n, taint in enumerate((node.get("spec") or {}).get("taints") or []):
+        where = f"spec.taints[{n}]"
+        if not isinstance(taint, dict) or not taint.get("key"):
+            causes.append(f"{where}.key: Required value")
+            continue
+        problem = qualified_name_problem(taint["key"])
+        if problem:
+            causes.append(f"{where}.key: Invalid value: {problem}")
+        if taint.get("value") and label_value_problem(taint["value"]):
+            causes.append(f"{where}.value: Invalid value: {label_value_problem(taint['value'])}")
+        if taint.get("effect") not in TAINT_EFFECTS:
+            causes.append(f"{where}.effect: Unsupported value: {taint.get('effect')!r}: supported "
+                          "values: " + ", ".join(TAINT_EFFECTS))
+        pair = (taint["key"], taint.get("effect"))
+        if pair in seen:
+            causes.append(f"{where}: Duplicate value: taints must be unique by key and effect pair")
+        seen.add(pair)
+    types = set()
+    for n, cond in enumerate((node.get("status") or {}).get("conditions") or []):
+        if not isinstance(cond, dict) or not cond.get("type"):
+            causes.append(f"status.conditions[{n}].type: Required value")
+            continue
+        if cond["type"] in types:
+            causes.append(f"status.conditions[{n}].type: Duplicate value: {cond['type']!r}")
+        types.add(cond["type"])
+        if cond.get("status") not in ("True", "False", "Unknown"):
+            causes.append(f"status.conditions[{n}].status: Unsupported value: {cond.get('status')!r}")
+    return causes
+
+
+_MICRO_TIME_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}(Z|[+-]\d\d:\d\d)$")
+
+
+def _validate_event(event: dict) -> list[str]:
+    """events.k8s.io/v1 create validation; ``eventTime`` must parse as MicroTime (RFC3339 with
+    exactly six fraction digits), as Go's ``time.Parse(RFC3339Micro)`` in the API server demands."""
+    causes = []
+    if event.get("eventTime") and not _MICRO_TIME_RE.match(str(event["eventTime"])):
+        raise ApiError(400, "BadRequest", f"eventTime {event['eventTime']!r}: cannot parse as "
+                       "RFC3339Micro (2006-01-02T15:04:05.000000Z07:00)")
+    for field in ("eventTime", "reportingController", "reportingInstance", "action", "reason"):
+        if not event.get(field):
+            causes.append(f"{field}: Required value")
+    if event.get("reportingController") and qualified_name_problem(event["reportingController"]):
+        problem = qualified_name_problem(event["reportingController"])
+        causes.append(f"reportingController: Invalid value: {problem}")
+    for field in ("reportingInstance", "action", "reason"):
+        if len(event.get(field) or "") > 128:
+            causes.append(f"{field}: Too long: must have at most 128 bytes")
+    if event.get("type") not in EVENT_TYPES:
+        causes.append(f"type: Unsupported value: {event.get('type')!r}: supported values: Normal, Warning")
+    if len((event.get("note") or "").encode("utf-8")) > 1024:
+        causes.append("note: Too long: must have at most 1024 bytes")
+    return causes
+
+
+class KubeFake:
+    """The fake API server. Use as a context manager or ``start()``/``stop()``."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = 0
+        self._lock = threading.RLock()
+        self._rv = 100
+        self._nodes: dict[str, dict] = {}
+        self._events: dict[tuple[str, str], dict] = {}
+        self._history: list[tuple[int, str, str, dict, dict | None]] = []  # rv, kind, type, obj, old
+        self._watchers: list[_Watcher] = []
+        self._log: list[RecordedRequest] = []
+        self._fail_next = 0
+        self._fail_status = 500
+        self._conflict_next = 0
+        self._delay = 0.0
+        self._stopping = threading.Event()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self.down = False
+        self.watch_history = WATCH_HISTORY
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> "KubeFake":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "KubeFake":
+        self._stopping.clear()
+        self._listen()
+        return self
+
+    def _listen(self) -> None:
+        handler = type("Handler", (_Handler,), {"fake": self})
+        server = ThreadingHTTPServer((self.host, self.port), handler)
+        server.daemon_threads = True
+        self.port = server.server_address[1]
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="kubefake", daemon=True)
+        self._thread.start()
+        self.down = False
+
+    def _close_listener(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        with self._lock:
+            conns = list(self._conns)
+            for watcher in self._watchers:
+                with watcher.cond:
+                    watcher.dropped = True
+                    watcher.cond.notify_all()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._close_listener()
+        self.down = True
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def configuration(self):
+        from kubernetes import client
+
+        configuration = client.Configuration(host=self.url)
+        return configuration
+
+    def api_client(self):
+        from kubernetes import client
+
+        return client.ApiClient(self.configuration())
+
+    # -- fault switches ----------------------------------------------------------------------------
+
+    def go_down(self) -> None:
+        """Stop listening (connection refused) and cut every open connection."""
+        self._close_listener()
+        self.down = True
+
+    def come_up(self) -> None:
+        """Listen again on the same port."""
+        if self.down and not self._stopping.is_set():
+            self._listen()
+
+    def set_delay(self, seconds: float) -> None:
+        self._delay = seconds
+
+    def fail_next(self, n: int, status: int = 500) -> None:
+        with self._lock:
+            self._fail_next, self._fail_status = n, status
+
+    def conflict_next_writes(self, n: int) -> None:
+        with self._lock:
+            self._conflict_next = n
+
+    def drop_watches(self) -> None:
+        with self._lock:
+            for watcher in self._watchers:
+                with watcher.cond:
+                    watcher.dropped = True
+                    watcher.cond.notify_all()
+
+    # -- data for tests ----------------------------------------------------------------------------
+
+    def _bump(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def add_node(self, name: str, labels: dict | None = None, taints: list | None = None,
+                 conditions: list | None = None, annotations: dict | None = None) -> dict:
+        node = {
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "uid": str(uuid.uuid4()), "creationTimestamp": now_rfc3339(),
+                         "labels": {"kubernetes.io/hostname": name, **(labels or {})},
+                         "annotations": dict(annotations or {})},
+            "spec": {"taints": list(taints)} if taints else {},
+            "status": {"conditions": list(conditions or [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady",
+                 "message": "kubelet is posting ready status",
+                 "lastHeartbeatTime": now_rfc3339(), "lastTransitionTime": now_rfc3339()}])},
+        }
+        with self._lock:
+            node["metadata"]["resourceVersion"] = self._bump()
+            self._nodes[name] = node
+            self._notify("nodes", "ADDED", node, None)
+            return copy.deepcopy(node)
+
+    def seed_nodes(self, count: int, prefix: str = "gpu-node-", labels: dict | None = None) -> list[str]:
+        """Add ``count`` GPU nodes (labelled ``nvidia.com/gpu.present=true`` unless told otherwise)."""
+        labels = {"nvidia.com/gpu.present": "true"} if labels is None else labels
+        names = [f"{prefix}{i}" for i in range(count)]
+        for name in names:
+            self.add_node(name, labels=labels)
+        return names
+
+    def node(self, name: str) -> dict:
+        with self._lock:
+            return copy.deepcopy(self._nodes[name])
+
+    def nodes(self) -> list[dict]:
+        with self._lock:
+            return [copy.deepcopy(n) for n in self._nodes.values()]
+
+    def update_node(self, name: str, mutate: Callable[[dict], None]) -> dict:
+        """Change a node as another actor would (kubelet, an operator): bumps resourceVersion."""
+        with self._lock:
+            old = self._nodes[name]
+            new = copy.deepcopy(old)
+            mutate(new)
+            new["metadata"]["resourceVersion"] = self._bump()
+            self._nodes[name] = new
+            self._notify("nodes", "MODIFIED", new, old)
+            return copy.deepcopy(new)
+
+    def delete_node(self, name: str) -> None:
+        with self._lock:
+            old = self._nodes.pop(name)
+            gone = copy.deepcopy(old)
+            gone["metadata"]["resourceVersion"] = self._bump()
+            self._notify("nodes", "DELETED", gone, None)
+
+    def events(self, namespace: str | None = None) -> list[dict]:
+        with self._lock:
+            return [copy.deepcopy(e) for (ns, _), e in sorted(self._events.items())
+                    if namespace is None or ns == namespace]
+
+    @property
+    def resource_version(self) -> int:
+        return self._rv
+
+    # -- request log -------------------------------------------------------------------------------
+
+    def requests(self, method: str | None = None, path: str | None = None) -> list[RecordedRequest]:
+        """Recorded requests, optionally of one method and under one path prefix."""
+        with self._lock:
+            return [r for r in self._log
+                    if (method is None or r.method == method) and (path is None or r.path.startswith(path))]
+
+    def writes(self, path: str | None = None) -> list[RecordedRequest]:
+        """Recorded POST/PUT/PATCH/DELETE requests (whatever they were answered)."""
+        return [r for r in self.requests(path=path) if r.is_write]
+
+    def reset_log(self) -> None:
+        with self._lock:
+            self._log.clear()
+
+    def _record(self, req: RecordedRequest) -> None:
+        with self._lock:
+            self._log.append(req)
+
+    # -- watch plumbing ----------------------------------------------------------------------------
+
+    def _notify(self, kind: str, etype: str, obj: dict, old: dict | None) -> None:
+        rv = int(obj["metadata"]["resourceVersion"])
+        self._history.append((rv, kind, etype, copy.deepcopy(obj), copy.deepcopy(old)))
+        del self._history[:-self.watch_history]
+        for watcher in self._watchers:
+            if watcher.kind != kind:
+                continue
+            event = _watch_event(etype, obj, old, watcher.matches)
+            if event:
+                with watcher.cond:
+                    watcher.events.append(event)
+                    watcher.cond.notify_all()
+
+    # -- request handling (called by the handler threads) ------------------------------------------
+
+    def handle(self, method: str, path: str, query: dict[str, str], content_type: str,
+               body: Any) -> tuple[int, Any]:
+        """Return (status, JSON body) or (200, _Watcher) for a watch. Raises nothing."""
+        try:
+            with self._lock:
+                if self._fail_next > 0:
+                    self._fail_next -= 1
+                    raise ApiError(self._fail_status, "InternalError",
+                                   "Internal error occurred: injected by the test (fail_next)")
+                if method in ("PUT", "PATCH") and self._conflict_next > 0:
+                    self._conflict_next -= 1
+                    name = path.rstrip("/").split("/")[-1]
+                    if name == "status":
+                        name = path.rstrip("/").split("/")[-2]
+                    raise _conflict("nodes" if "/nodes/" in path else "events", name)
+            return self._route(method, path, query, content_type, body)
+        except ApiError as err:
+            return err.code, err.status()
+
+    def _route(self, method, path, query, content_type, body):
+        m = re.fullmatch(r"/api/v1/nodes", path)
+        if m and method == "GET":
+            if query.get("watch") in ("true", "1"):
+                return 200, self._open_watch("nodes", query, NODE_FIELDS)
+            return 200, self._list_nodes(query)
+        m = re.fullmatch(r"/api/v1/nodes/(?P<name>[^/]+)(?P<sub>/status)?", path)
+        if m:
+            return self._node_request(method, m.group("name"), bool(m.group("sub")), content_type, body)
+        m = re.fullmatch(r"/apis/events\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/events(?:/(?P<name>[^/]+))?", path)
+        if m:
+            return self._event_request(method, m.group("ns"), m.group("name"), content_type, body)
+        m = re.fullmatch(r"/apis/events\.k8s\.io/v1/events", path)
+        if m and method == "GET":
+            return 200, {"kind": "EventList", "apiVersion": "events.k8s.io/v1",
+                         "metadata": {"resourceVersion": str(self._rv)}, "items": self.events()}
+        raise ApiError(404, "NotFound", "the server could not find the requested resource")
+
+    def _list_nodes(self, query):
+        labels = parse_label_selector(query.get("labelSelector", ""))
+        fields = parse_field_selector(query.get("fieldSelector", ""), NODE_FIELDS)
+        with self._lock:
+            items = [copy.deepcopy(n) for _, n in sorted(self._nodes.items())
+                     if labels(n["metadata"].get("labels") or {}) and fields(n)]
+            return {"kind": "NodeList", "apiVersion": "v1",
+                    "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+
+    def _open_watch(self, kind, query, fields):
+        labels = parse_label_selector(query.get("labelSelector", ""))
+        field_match = parse_field_selector(query.get("fieldSelector", ""), fields)
+
+        def matches(obj: dict) -> bool:
+            return labels(obj["metadata"].get("labels") or {}) and field_match(obj)
+
+        watcher = _Watcher(kind=kind, matches=matches, events=[], cond=threading.Condition())
+        since = query.get("resourceVersion", "")
+        with self._lock:
+            if since in ("", "0"):
+                for node in sorted(self._nodes.values(), key=lambda n: n["metadata"]["name"]):
+                    if matches(node):
+                        watcher.events.append({"type": "ADDED", "object": copy.deepcopy(node)})
+            else:
+                oldest = self._history[0][0] if self._history else self._rv + 1
+                start = int(since)
+                if start < oldest - 1 and len(self._history) >= self.watch_history:
+                    gone = ApiError(410, "Expired", f"too old resource version: {start} ({oldest - 1})")
+                    watcher.events.append({"type": "ERROR", "object": gone.status()})
+                else:
+                    for rv, hkind, etype, obj, old in self._history:
+                        if rv > start and hkind == kind:
+                            event = _watch_event(etype, obj, old, matches)
+                            if event:
+                                watcher.events.append(event)
+            self._watchers.append(watcher)
+        return watcher
+
+    def _close_watch(self, watcher: _Watcher) -> None:
+        with self._lock:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
+
+    def _node_request(self, method, name, status_sub, content_type, body):
+        with self._lock:
+            current = self._nodes.get(name)
+            if method == "GET":
+                if current is None:
+                    raise _not_found("nodes", name)
+                return 200, copy.deepcopy(current)
+            if method == "DELETE":
+                if current is None:
+                    raise _not_found("nodes", name)
+                self.delete_node(name)
+                return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success",
+                             "details": {"name": name, "kind": "nodes"}}
+            if current is None:
+                raise _not_found("nodes", name)
+            if method == "PATCH":
+                new = apply_patch(current, content_type, body, NODE_MERGE_KEYS)
+                self._check_rv(new, current, "nodes", name)
+            elif method == "PUT":
+                if not isinstance(body, dict):
+                    raise ApiError(400, "BadRequest", "PUT body must be a Node object")
+                new = copy.deepcopy(body)
+                self._check_rv(new, current, "nodes", name)
+            else:
+                raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on nodes")
+            if (new.get("metadata") or {}).get("name") != name:
+                given = (new.get("metadata") or {}).get("name")
+                raise ApiError(400, "BadRequest", f"the name of the object ({given}) does not match the "
+                               f"name on the URL ({name})")
+            new = self._subresource_view(new, current, status_sub)
+            causes = _validate_node(new)
+            if causes:
+                raise _invalid("Node", name, causes)
+            return 200, self._store_node(name, new, current)
+
+    @staticmethod
+    def _check_rv(new: dict, current: dict, kind: str, name: str) -> None:
+        """Optimistic concurrency: a write naming another resourceVersion is a 409. A write naming
+        none is unconditional (nodes and events allow that, as the real registry does)."""
+        rv = (new.get("metadata") or {}).get("resourceVersion")
+        if rv not in (None, "") and rv != current["metadata"]["resourceVersion"]:
+            raise _conflict(kind, name)
+
+    @staticmethod
+    def _subresource_view(new: dict, current: dict, status_sub: bool) -> dict:
+        """Main resource writes ignore status; status writes ignore spec and metadata changes."""
+        new = copy.deepcopy(new)
+        if status_sub:
+            new["spec"] = copy.deepcopy(current.get("spec") or {})
+            new["metadata"] = copy.deepcopy(current["metadata"])
+        else:
+            new["status"] = copy.deepcopy(current.get("status") or {})
+            meta = new.setdefault("metadata", {})
+            for fixed in ("uid", "creationTimestamp"):
+                meta[fixed] = current["metadata"][fixed]
+        new["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+        new.setdefault("apiVersion", "v1")
+        new.setdefault("kind", "Node")
+        return new
+
+    def _store_node(self, name: str, new: dict, current: dict) -> dict:
+        if new == current:
+            return copy.deepcopy(current)  # a no-op write changes nothing, not even resourceVersion
+        new["metadata"]["resourceVersion"] = self._bump()
+        self._nodes[name] = new
+        self._notify("nodes", "MODIFIED", new, current)
+        return copy.deepcopy(new)
+
+    def _event_request(self, method, ns, name, content_type, body):
+        with self._lock:
+            if name is None:
+                if method == "GET":
+                    return 200, {"kind": "EventList", "apiVersion": "events.k8s.io/v1",
+                                 "metadata": {"resourceVersion": str(self._rv)}, "items": self.events(ns)}
+                if method != "POST":
+                    raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on the event list")
+                return self._create_event(ns, body)
+            key = (ns, name)
+            current = self._events.get(key)
+            if current is None:
+                raise _not_found("events", name, "events.k8s.io")
+            if method == "GET":
+                return 200, copy.deepcopy(current)
+            if method == "DELETE":
+                del self._events[key]
+                return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+            if method == "PATCH":
+                new = apply_patch(current, content_type, body, {})
+            elif method == "PUT":
+                new = copy.deepcopy(body)
+            else:
+                raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on events")
+            self._check_rv(new, current, "events", name)
+            causes = _validate_event(new)
+            if causes:
+                raise _invalid("Event", name, causes)
+            new["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            if new != current:
+                new["metadata"]["resourceVersion"] = self._bump()
+                self._events[key] = new
+            return 200, copy.deepcopy(self._events[key])
+
+    def _create_event(self, ns, body):
+        if not isinstance(body, dict):
+            raise ApiError(400, "BadRequest", "event body must be an object")
+        event = copy.deepcopy(body)
+        meta = event.setdefault("metadata", {})
+        if meta.get("namespace") not in (None, "", ns):
+            raise ApiError(400, "BadRequest", "the namespace of the provided object does not match "
+                                              "the namespace sent on the request")
+        name = meta.get("name")
+        if not name and meta.get("generateName"):
+            name = meta["generateName"] + uuid.uuid4().hex[:5]
+        if not name:
+            raise _invalid("Event", "", ["metadata.name: Required value: name or generateName is required"])
+        causes = _validate_event(event)
+        if causes:
+            raise _invalid("Event", name, causes)
+        if (ns, name) in self._events:
+            raise ApiError(409, "AlreadyExists", f'events.events.k8s.io "{name}" already exists',
+                           {"name": name, "group": "events.k8s.io", "kind": "events"})
+        meta.update({"name": name, "namespace": ns, "uid": str(uuid.uuid4()),
+                     "creationTimestamp": now_rfc3339(), "resourceVersion": self._bump()})
+        event.setdefault("apiVersion", "events.k8s.io/v1")
+        event.setdefault("kind", "Event")
+        self._events[(ns, name)] = event
+        return 201, copy.deepcopy(event)
+
+
+def _watch_event(etype: str, obj: dict, old: dict | None, matches: Callable[[dict], bool]) -> dict | None:
+    """The event a selector-filtered watcher sees (the real server's ADDED/DELETED transitions)."""
+    now_matches = matches(obj)
+    if etype == "MODIFIED" and old is not None:
+        was = matches(old)
+        if was and now_matches:
+            return {"type": "MODIFIED", "object": copy.deepcopy(obj)}
+        if was:
+            return {"type": "DELETED", "object": copy.deepcopy(obj)}
+        if now_matches:
+            return {"type": "ADDED", "object": copy.deepcopy(obj)}
+        return None
+    return {"type": etype, "object": copy.deepcopy(obj)} if now_matches else None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms stalls
+    fake: KubeFake  # set on the subclass made per server
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 - silence the default stderr log
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.fake._lock:
+            self.fake._conns.add(self.connection)
+
+    def finish(self) -> None:
+        with self.fake._lock:
+            self.fake._conns.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+    def _serve(self, method: str) -> None:
+        split = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
+        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body: Any = None
+        status, answer = 0, None
+        if raw:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                status, answer = 400, ApiError(400, "BadRequest", "request body is not JSON").status()
+        if self.fake._delay > 0:
+            self.fake._stopping.wait(self.fake._delay)
+        if answer is None:
+            status, answer = self.fake.handle(method, split.path, query, content_type, body)
+        self.fake._record(RecordedRequest(method, split.path, query, content_type, body, status, time.time()))
+        try:
+            if isinstance(answer, _Watcher):
+                self._stream(answer, float(query.get("timeoutSeconds") or 0) or None)
+            else:
+                self._send_json(status, answer)
+        except OSError:
+            self.close_connection = True
+
+    def _send_json(self, status: int, answer: Any) -> None:
+        data = json.dumps(answer).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _stream(self, watcher: _Watcher, timeout: float | None) -> None:
+        deadline = time.monotonic() + timeout if timeout else None
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            while not self.fake._stopping.is_set():
+                with watcher.cond:
+                    if not watcher.events and not watcher.dropped:
+                        watcher.cond.wait(0.05)
+                    pending, watcher.events = watcher.events, []
+                    dropped = watcher.dropped
+                for event in pending:
+                    line = json.dumps(event).encode("utf-8") + b"\n"
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    self.wfile.flush()
+                    if event["type"] == "ERROR":
+                        deadline = time.monotonic()
+                if dropped:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)  # cut mid-stream, no final chunk
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        finally:
+            self.fake._close_watch(watcher)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+        self._serve("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._serve("POST")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._serve("PUT")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._serve("PATCH")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._serve("DELETE")
