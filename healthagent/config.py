@@ -141,8 +141,11 @@ def _validate(s: Settings) -> None:
         value = getattr(s, key)
         if value is not None and value < 0:
             raise ConfigError(f"{key}: must be 0 or more")
-    if s.kmsg_max_records_per_cycle < 1 or s.training_max_jobs < 1:
-        raise ConfigError("kmsg_max_records_per_cycle/training_max_jobs: must be at least 1")
+    for key in ("kmsg_max_records_per_cycle", "training_max_jobs"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"{key}: must be at least 1")
+    if s.training_job_idle_seconds <= 0:
+        raise ConfigError("training_job_idle_seconds: must be greater than 0 seconds")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise bad("log_level", f"{s.log_level!r} is not a level")
     if not os.path.isdir(s.host_root):

@@ -1,0 +1,45 @@
+"""Training telemetry: the client ranks import, the launcher hooks, and the agent's intake.
+
+Ranks import this module, so importing it must stay cheap and stdlib-only: the client and the
+hooks are imported here directly, while ``TrainingIntake`` (which needs prometheus_client) is
+loaded only when the agent asks for it (PEP 562 module ``__getattr__``).
+
+In a training script::
+
+    from healthagent.telemetry.training import TrainingReporter
+    reporter = TrainingReporter(job="llama-70b")
+    reporter.report_step(step, tokens=global_tokens, samples=global_batch)  # every step
+
+See docs/training.md for torchrun/HyperPod and what the metrics mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from healthagent.telemetry.elastic_hooks import (
+    ElasticEventHandler,
+    ElasticMetricHandler,
+    install_elastic_hooks,
+)
+from healthagent.telemetry.training_client import (
+    ReporterStats,
+    TrainingReporter,
+    agent_base_url,
+    default_job,
+)
+
+_AGENT_SIDE = {"TrainingIntake", "IntakeReply"}
+
+__all__ = [
+    "ElasticEventHandler", "ElasticMetricHandler", "IntakeReply", "ReporterStats", "TrainingIntake",
+    "TrainingReporter", "agent_base_url", "default_job", "install_elastic_hooks",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _AGENT_SIDE:
+        from healthagent.telemetry import training_intake
+
+        return getattr(training_intake, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,151 @@
+"""The agent's HTTP server, started for real on 127.0.0.1 (port 0)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+from healthagent.telemetry.metrics import Telemetry
+from healthagent.telemetry.server import AgentServer
+from tests.telemetry.harness import wait_until
+from tests.telemetry.snapshots import demo_snapshot
+
+pytestmark = pytest.mark.integration
+
+
+def test_port_zero_binds_a_free_port_and_stop_releases_it(agent):
+    port = agent.server.port
+    assert port > 0
+    assert agent.request("/healthz").status == 200
+    agent.server.stop()
+    agent.server.stop()  # idempotent
+    with socket.socket() as again:  # the port is free again: a new listener can take it
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+
+
+def test_healthz_follows_the_loop_heartbeat(agent):
+    limit = agent.server.heartbeat_timeout_seconds
+    reply = agent.request("/healthz")
+    assert (reply.status, reply.text.startswith("ok: starting")) == (200, True)
+    agent.monotonic.advance(limit + 1)  # no cycle completed since start
+    reply = agent.request("/healthz")
+    assert reply.status == 503 and "has not completed a cycle" in reply.text
+    agent.server.heartbeat(agent.clock())
+    assert agent.request("/healthz").status == 200
+    agent.monotonic.advance(limit - 1)
+    assert agent.request("/healthz").status == 200
+    agent.monotonic.advance(2)
+    reply = agent.request("/healthz")
+    assert reply.status == 503 and f"limit {limit:.0f}s" in reply.text
+
+
+def test_readyz_follows_set_ready(agent):
+    reply = agent.request("/readyz")
+    assert reply.status == 503 and "not ready" in reply.text
+    agent.server.set_ready(True)
+    assert (agent.request("/readyz").status, agent.request("/readyz").text) == (200, "ready\n")
+    agent.server.set_ready(False)
+    assert agent.request("/readyz").status == 503
+
+
+def test_metrics_content_type_and_openmetrics_negotiation(agent):
+    agent.telemetry.publish(demo_snapshot(gpus=(), efa=()))
+    plain = agent.scrape()
+    assert plain.status == 200
+    assert plain.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    om = agent.scrape("application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5")
+    assert om.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert om.text.endswith("# EOF\n") and om.text.count("# EOF") == 1
+    assert "healthagent_node_action" in om.text
+
+
+def test_openmetrics_output_parses_except_the_budget_blocked_name_clash(agent):
+    """The contract names both a gauge ``budget_blocked`` and a counter ``budget_blocked_total``; in
+    OpenMetrics both are family ``healthagent_budget_blocked`` (see docs/metrics.md). Everything
+    else is valid OpenMetrics, which this checks by parsing the document without those lines."""
+    agent.telemetry.publish(demo_snapshot())
+    text = agent.scrape("application/openmetrics-text; version=1.0.0").text
+    kept = "\n".join(line for line in text.splitlines() if "healthagent_budget_blocked" not in line) + "\n"
+    names = {family.name for family in parse_openmetrics(kept)}
+    assert {"healthagent_gpu_info", "healthagent_efa_rx_drops", "healthagent_node_action"} <= names
+
+
+def test_gzip_when_asked(agent):
+    agent.telemetry.publish(demo_snapshot())
+    reply = agent.request("/metrics", headers={"Accept-Encoding": "gzip"})
+    assert reply.headers.get("Content-Encoding") == "gzip"
+    assert "healthagent_gpu_info" in reply.text  # the fixture decompressed it
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/nope", 404),
+    ("GET", "/v1/training", 405),
+    ("POST", "/metrics", 405),
+    ("DELETE", "/healthz", 405),
+    ("PUT", "/readyz", 405),
+])
+def test_unknown_paths_and_methods(agent, method, path, status):
+    reply = agent.request(path, method=method, body=b"" if method in ("POST", "PUT") else None)
+    assert reply.status == status
+    if status == 405:
+        assert reply.headers["Allow"] in ("GET", "POST")
+
+
+def test_query_strings_are_ignored(agent):
+    assert agent.request("/healthz?verbose=1").status == 200
+
+
+def test_garbage_and_half_requests_do_not_kill_the_server(agent):
+    for junk in (b"\x00\xff garbage\r\n\r\n", b"GET", b"POST /v1/training HTTP/1.1\r\nContent-Length: 50\r\n"
+                 b"Content-Type: application/json\r\n\r\n{\"type\":"):
+        with socket.create_connection(("127.0.0.1", agent.server.port), timeout=5) as conn:
+            conn.sendall(junk)
+            conn.shutdown(socket.SHUT_WR)
+            conn.recv(4096)
+    assert agent.request("/healthz").status == 200
+
+
+def test_training_route_checks_content_type_length_and_size(agent):
+    reply = agent.post_json('{"type":"end","job":"j"}', content_type="text/plain")
+    assert reply.status == 415 and json.loads(reply.body)["reason"] == "content_type"
+    big = json.dumps([{"type": "end", "job": "j" * 100}] * 700)
+    assert len(big) > agent.server.max_body_bytes
+    reply = agent.post_json(big)
+    assert reply.status == 413 and "limit" in json.loads(reply.body)["error"]
+    with socket.create_connection(("127.0.0.1", agent.server.port), timeout=5) as conn:
+        conn.sendall(b"POST /v1/training HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        assert conn.recv(4096).startswith(b"HTTP/1.0 411")
+    reply = agent.post_json('{"type":"end","job":"j"}')
+    assert reply.status == 202 and json.loads(reply.body) == {"accepted": 1}
+    text = agent.scrape().text
+    for reason in ("content_type", "body_too_large", "length_required"):
+        assert f'healthagent_training_reports_rejected_total{{reason="{reason}"}} 1.0' in text
+
+
+def test_connections_over_the_cap_are_refused_and_the_server_recovers():
+    telemetry = Telemetry("1")
+    server = AgentServer(telemetry, None, "127.0.0.1", 0, max_connections=2)
+    server.start()
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
+            extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            assert extra.recv(4096) == b""  # closed without an answer: both slots are taken
+    finally:
+        for conn in idle:
+            conn.close()
+    # The slots free up once the idle connections are gone; a fresh request is answered.
+    def answered() -> bool:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
+            conn.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            return conn.recv(4096).startswith(b"HTTP/1.0 200")
+
+    try:
+        wait_until(answered, what="a free connection slot")
+    finally:
+        server.stop()
