@@ -315,20 +315,26 @@ def _verdict_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     yield node_action
 
 
+KUBE_WRITE_PAIRS = tuple((kind, result) for kind in ("node", "node_status", "event")
+                         for result in ("ok", "conflict", "error"))
+
+
 def _kube_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     kube = snapshot.kube
     for name, value in (
             ("node_taint_applied", bool(kube.taint_effect)),
-            ("budget_blocked", kube.budget_blocked),
+            ("budget_holding_taint", kube.budget_blocked),
             ("budget_blocked_total", kube.budget_blocked_total),
             ("kube_reachable", kube.reachable),
             ("kube_pending_writes", kube.pending_writes)):
         family = _family(name)
         family.add_metric([], float(value))
         yield family
+    # Every (kind, result) pair from the start, at 0 until it happens: increase() and dashboards
+    # need the series to exist before the first write, and a dry-run agent never writes.
     writes = _family("kube_writes_total")
-    for (kind, result) in sorted(kube.writes):
-        writes.add_metric([kind, result], float(kube.writes[(kind, result)]))
+    for pair in sorted(set(KUBE_WRITE_PAIRS) | set(kube.writes)):
+        writes.add_metric(list(pair), float(kube.writes.get(pair, 0)))
     yield writes
 
 

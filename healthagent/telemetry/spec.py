@@ -90,7 +90,7 @@ HEALTH: tuple[MetricSpec, ...] = (
     _spec("node_action", "gauge", "action",
           "1 for the node's verdict action, 0 for the other five actions."),
     _spec("node_taint_applied", "gauge", "", "1 while the agent's own taint is on the node."),
-    _spec("budget_blocked", "gauge", "",
+    _spec("budget_holding_taint", "gauge", "",
           "1 while the verdict wants a taint that the cluster-wide budget holds back."),
     _spec("budget_blocked_total", "counter", "", "Taints the cluster-wide budget held back."),
     _spec("kube_writes_total", "counter", "kind result",

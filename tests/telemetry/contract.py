@@ -33,7 +33,7 @@ CONTRACT: list[tuple[str, str, tuple[str, ...]]] = [
     ("findings", "gauge", ("code", "action")),
     ("node_action", "gauge", ("action",)),
     ("node_taint_applied", "gauge", ()),
-    ("budget_blocked", "gauge", ()),
+    ("budget_holding_taint", "gauge", ()),
     ("budget_blocked_total", "counter", ()),
     ("kube_writes_total", "counter", ("kind", "result")),
     ("kube_reachable", "gauge", ()),

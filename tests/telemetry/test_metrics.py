@@ -79,7 +79,7 @@ def test_demo_node_values(scraped):
     assert v("findings", code="GPU_XID", action="replace_node") == 1
     assert v("findings", code="EFA_RX_DROPS", action="monitor") == 1
     assert v("node_taint_applied") == 1
-    assert v("budget_blocked") == 0
+    assert v("budget_holding_taint") == 0
     assert v("budget_blocked_total") == 2
     assert v("kube_writes_total", kind="node", result="conflict") == 1
     assert v("kube_reachable") == 1
