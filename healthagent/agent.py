@@ -208,8 +208,6 @@ class Agent:
         gpus = self._latest_gpus()
         efa = tuple(s for item in self.scheduled if item.last for s in item.last.efa)
         enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
-        for event in enriched:
-            self.xids.add(event)
         cleared = self._apply_operator_clear(now)
         if self.verdict is None or enriched or fresh_periodic or cleared:
             collection = Collection(
@@ -219,6 +217,10 @@ class Agent:
                 expected_efa_devices=self.settings.expected_efa_devices,
             )
             verdict = self.classifier.observe(collection)
+            # The classifier drops the copies of one XID that several sources report (kmsg + NVML
+            # event + dcgm), so the counter counts what it counted, once.
+            for event in self.classifier.counted_xids:
+                self.xids.add(event)
             if enriched:
                 log.info("xids=%s verdict=%s", ",".join(str(x.xid) for x in enriched), verdict.action.value)
             self._persist()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -161,18 +162,28 @@ def _table(rows: Iterable[Iterable[Any]], header: list[str]) -> str:
     return "\n".join(out)
 
 
-def render_check(collection, verdict) -> str:
-    from healthagent.model import Action
+def _natural_key(name: str) -> tuple:
+    """Sort ``rdmap79s0`` before ``rdmap113s0`` (numbers by value), as a person reads them."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
-    lines = []
-    lines.append(f"GPUs: {len(collection.gpus)} read")
+
+def _finding_subject(f) -> str:
+    if f.gpu_index is not None:
+        return f"GPU {f.gpu_index} ({f.pci_bus_id})" if f.pci_bus_id else f"GPU {f.gpu_index}"
+    return f.pci_bus_id or f.efa_device or "node"
+
+
+def render_check(collection, verdict) -> str:
+    """The report a person reads on a suspect node: what was read, then each finding as a block
+    (what, why, the evidence, what to do next), most severe first."""
+    lines = [f"GPUs: {len(collection.gpus)} read"]
     lines.append(_table(
         ([g.index, g.pci_bus_id, g.uuid, g.name, "LOST" if g.lost else "ok", g.temperature_c,
           g.power_w, g.ecc.aggregate_uncorrected, g.remap.pending, g.remap.failure]
          for g in collection.gpus),
         ["GPU", "PCI", "UUID", "MODEL", "STATE", "TEMP_C", "POWER_W", "DBE_AGG", "REMAP_PENDING",
          "REMAP_FAILURE"]))
-    devices = sorted({s.device for s in collection.efa})
+    devices = sorted({s.device for s in collection.efa}, key=_natural_key)
     lines.append("")
     lines.append(f"EFA devices: {len(devices)} read" + (f" ({devices[0]} .. {devices[-1]})" if devices else ""))
     lines.append("Sources: " + ", ".join(
@@ -182,15 +193,12 @@ def render_check(collection, verdict) -> str:
     lines.append("")
     meaning = {0: "healthy", 1: "degraded", 2: "node action required"}[verdict.exit_code]
     lines.append(f"Verdict: {verdict.action.value} ({meaning})")
-    if verdict.findings:
-        lines.append(_table(
-            ([f.gpu_index if f.gpu_index is not None else f.efa_device or "node", f.pci_bus_id, f.code,
-              f.action.value, f.evidence, f.next_steps] for f in verdict.findings),
-            ["GPU", "PCI", "CODE", "ACTION", "EVIDENCE", "NEXT STEPS"]))
-        for f in verdict.findings:
-            if f.action is Action.RESTART_APP:
-                lines.append(f"Note: {f.code} on {f.subject} is an application fault: {f.summary}")
-                break
+    for f in verdict.findings:
+        lines.append("")
+        lines.append(f"[{f.action.value}] {f.code} on {_finding_subject(f)}")
+        lines.append(f"  what: {f.summary}")
+        lines.append(f"  seen: {f.evidence}")
+        lines.append(f"  next: {f.next_steps}")
     return "\n".join(lines)
 
 

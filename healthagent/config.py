@@ -152,16 +152,25 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"host_root: {s.host_root!r} is not a directory; pass --host-root DIR")
 
 
-def _load_yaml(path: str) -> dict[str, Any]:
+def read_yaml(path: str, what: str, flag: str, error: type[Exception]) -> Any:
+    """Parse a YAML file or raise ``error`` with one line naming the file, the problem and the fix.
+
+    Shared by the settings file and the policy file so both fail the same way: an unreadable path
+    names the flag to fix, broken YAML names the line.
+    """
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            return yaml.safe_load(fh)
     except OSError as exc:
-        raise ConfigError(f"config: cannot read {path!r} ({exc.strerror}); fix the path") from None
+        raise error(f"{what}: cannot read {path!r} ({exc.strerror}); fix {flag}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"config: {path!r} is not valid YAML{at}; fix the syntax") from None
+        raise error(f"{what}: {path!r} is not valid YAML{at}; fix the syntax") from None
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    data = read_yaml(path, "config", "the path", ConfigError)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -1,0 +1,283 @@
+"""The open findings and their life cycle: raise, recur, expire, survive a reboot, get cleared.
+
+Rules report *signals* ("GPU 3's row remap is pending", "rx_drops grew 400 in a minute"); the book
+turns them into findings that are stable across cycles, because a verdict that flips every cycle
+would taint and untaint a node forty times an hour. Two kinds of signal:
+
+- an *event* (an XID incident, counter growth, a rate over its limit) raises or refreshes a
+  finding that lasts ``quiet_seconds`` after its last recurrence;
+- a *condition* (a flag or a state: remap pending, GPU lost, a device missing) raises after
+  ``condition_raise_evaluations`` bad evaluations in a row and clears after
+  ``condition_clear_evaluations`` good ones.
+
+Whatever the kind, persistence is by class: a ``reboot_node`` finding stays until the boot id
+changes (then it clears if the checks pass, and a condition that comes straight back is escalated
+to ``replace_node``: a reboot did not fix it); a ``replace_node`` finding stays until an operator
+clears it or the GPU it names is physically replaced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable
+
+from healthagent.model import Action, Finding
+from healthagent.policy.settings import Policy
+
+EVENT = "event"
+CONDITION = "condition"
+
+
+@dataclass(frozen=True)
+class Where:
+    """The subject a finding names: a GPU, an EFA device or the node."""
+
+    gpu_index: int | None = None
+    pci_bus_id: str = ""
+    uuid: str = ""
+    efa_device: str = ""
+
+    @property
+    def subject(self) -> str:
+        return self.pci_bus_id or self.efa_device or "node"
+
+
+@dataclass(frozen=True)
+class Signal:
+    """What one rule says about one subject in one evaluation."""
+
+    code: str
+    where: Where
+    bad: bool
+    kind: str = EVENT
+    action: Action = Action.MONITOR
+    summary: str = ""
+    evidence: str = ""
+    next_steps: str = ""
+    quiet_seconds: float = 0.0
+    signature: str = ""  # a condition's identity for operator acknowledgement (clear)
+    count: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"{self.code}/{self.where.subject}"
+
+
+@dataclass
+class Entry:
+    """One open finding as the book keeps it (mutable inside the classifier only)."""
+
+    code: str
+    action: Action
+    summary: str
+    evidence: str
+    next_steps: str
+    where: Where
+    first_seen: float
+    last_seen: float
+    kind: str = EVENT
+    quiet_seconds: float = 0.0
+    count: int = 1
+    xids: tuple[int, ...] = ()
+    signature: str = ""
+    incident: dict[str, Any] | None = None  # an XID incident's members (incidents.py)
+
+    @property
+    def sticky(self) -> bool:
+        """reboot_node and replace_node findings do not time out."""
+        return self.action.severity >= Action.REBOOT_NODE.severity
+
+    def finding(self) -> Finding:
+        return Finding(
+            code=self.code, action=self.action, summary=self.summary, evidence=self.evidence,
+            next_steps=self.next_steps, gpu_index=self.where.gpu_index,
+            pci_bus_id=self.where.pci_bus_id, uuid=self.where.uuid, efa_device=self.where.efa_device,
+            xids=self.xids, count=self.count, first_seen=self.first_seen, last_seen=self.last_seen,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["action"] = self.action.value
+        d["xids"] = list(self.xids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Entry":
+        raw = d["where"]
+        index = raw.get("gpu_index")
+        where = Where(None if index is None else int(index), str(raw.get("pci_bus_id", "")),
+                      str(raw.get("uuid", "")), str(raw.get("efa_device", "")))
+        incident = _incident(d.get("incident"))
+        return cls(
+            code=str(d["code"]), action=Action.parse(d["action"]), summary=str(d["summary"]),
+            evidence=str(d["evidence"]), next_steps=str(d["next_steps"]), where=where,
+            first_seen=float(d["first_seen"]), last_seen=float(d["last_seen"]), kind=str(d["kind"]),
+            quiet_seconds=float(d["quiet_seconds"]), count=int(d["count"]),
+            xids=tuple(int(x) for x in d.get("xids", ())), signature=str(d.get("signature", "")),
+            incident=incident,
+        )
+
+
+@dataclass
+class FindingBook:
+    policy: Policy
+    entries: dict[str, Entry] = field(default_factory=dict)
+    streaks: dict[str, list[int]] = field(default_factory=dict)  # condition key -> [bad, good]
+    acks: dict[str, str] = field(default_factory=dict)  # condition key -> cleared signature
+    survivors: set[str] = field(default_factory=set)  # reboot-class conditions open at the last reboot
+
+    # -- signals ----------------------------------------------------------------------------------
+
+    def apply(self, signal: Signal, now: float) -> None:
+        if not self.policy.enabled(signal.code):
+            return
+        if signal.kind == CONDITION:
+            self._condition(signal, now)
+        elif signal.bad:
+            self._event(signal, now)
+
+    def _event(self, signal: Signal, t: float) -> None:
+        entry = self.entries.get(signal.key)
+        if entry is None:
+            self.entries[signal.key] = self._new_entry(signal, t)
+            return
+        entry.action = Action.most_severe([entry.action, signal.action])
+        entry.summary, entry.evidence, entry.next_steps = signal.summary, signal.evidence, signal.next_steps
+        entry.last_seen = max(entry.last_seen, t)
+        entry.count += signal.count
+        entry.quiet_seconds = signal.quiet_seconds
+
+    def _condition(self, signal: Signal, now: float) -> None:
+        key = signal.key
+        streak = self.streaks.setdefault(key, [0, 0])
+        if not signal.bad:
+            streak[0], streak[1] = 0, streak[1] + 1
+            self.acks.pop(key, None)
+            self.survivors.discard(key)
+            entry = self.entries.get(key)
+            if entry is not None and not entry.sticky and streak[1] >= self.policy.condition_clear_evaluations:
+                del self.entries[key]
+            return
+        if key in self.acks:
+            if self.acks[key] == signal.signature:
+                return  # an operator cleared exactly this; it has not changed since
+            del self.acks[key]
+        streak[0], streak[1] = streak[0] + 1, 0
+        if key in self.survivors and signal.action is Action.REBOOT_NODE:
+            signal = _escalated(signal)
+        entry = self.entries.get(key)
+        if entry is not None:
+            self._event(signal, now)
+            entry.count = streak[0]
+            entry.signature = signal.signature
+            return
+        if streak[0] < self.policy.condition_raise_evaluations:
+            return
+        entry = self._new_entry(signal, now)
+        entry.count = streak[0]
+        self.entries[key] = entry
+
+    @staticmethod
+    def _new_entry(signal: Signal, t: float) -> Entry:
+        return Entry(
+            code=signal.code, action=signal.action, summary=signal.summary, evidence=signal.evidence,
+            next_steps=signal.next_steps, where=signal.where, first_seen=t, last_seen=t,
+            kind=signal.kind, quiet_seconds=signal.quiet_seconds, count=signal.count,
+            signature=signal.signature,
+        )
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def expire(self, now: float) -> None:
+        """Drop events below reboot_node that have been quiet longer than their window."""
+        for key in [k for k, e in self.entries.items()
+                    if e.kind == EVENT and not e.sticky and now - e.last_seen > e.quiet_seconds]:
+            del self.entries[key]
+
+    def on_reboot(self) -> int:
+        """The boot id changed: everything below replace_node is resolved by the reboot.
+
+        Reboot-class conditions are remembered: if the same one is raised again in the new boot,
+        the reboot did not fix it and it comes back as replace_node.
+        """
+        closed = [k for k, e in self.entries.items() if e.action is not Action.REPLACE_NODE]
+        self.survivors = {k for k in closed
+                          if self.entries[k].kind == CONDITION and self.entries[k].action is Action.REBOOT_NODE}
+        for key in closed:
+            del self.entries[key]
+        self.streaks.clear()
+        return len(closed)
+
+    def on_gpu_replaced(self, pci_bus_id: str) -> int:
+        """The GPU at this PCI id has a new UUID: every finding about the old one is closed."""
+        keys = [k for k, e in self.entries.items() if e.where.pci_bus_id == pci_bus_id]
+        for key in keys:
+            del self.entries[key]
+        suffix = f"/{pci_bus_id}"
+        for table in (self.streaks, self.acks):
+            for key in [k for k in table if k.endswith(suffix)]:
+                del table[key]
+        self.survivors = {k for k in self.survivors if not k.endswith(suffix)}
+        return len(keys)
+
+    def clear(self, now: float) -> int:
+        """An operator's clear: close every open finding; conditions stay quiet until they change."""
+        self.expire(now)
+        count = len(self.entries)
+        for key, entry in self.entries.items():
+            if entry.kind == CONDITION:
+                self.acks[key] = entry.signature
+        self.entries.clear()
+        self.streaks.clear()
+        self.survivors.clear()
+        return count
+
+    def fill_uuid(self, pci_bus_id: str, uuid: str) -> None:
+        """A finding raised before its GPU's UUID was known learns it (replacement needs it)."""
+        for entry in self.entries.values():
+            if entry.where.pci_bus_id == pci_bus_id and not entry.where.uuid:
+                entry.where = Where(entry.where.gpu_index, pci_bus_id, uuid, entry.where.efa_device)
+
+    def findings(self, now: float) -> list[Finding]:
+        self.expire(now)
+        return [e.finding() for e in self.entries.values() if e.action is not Action.NONE]
+
+    def matching(self, code: str, subject: str) -> Iterable[tuple[str, Entry]]:
+        return ((k, e) for k, e in self.entries.items() if e.code == code and e.where.subject == subject)
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "entries": {k: e.to_dict() for k, e in self.entries.items()},
+            "streaks": {k: list(v) for k, v in self.streaks.items()},
+            "acks": dict(self.acks),
+            "survivors": sorted(self.survivors),
+        }
+
+    @classmethod
+    def from_dict(cls, policy: Policy, d: dict[str, Any]) -> "FindingBook":
+        return cls(
+            policy=policy,
+            entries={str(k): Entry.from_dict(v) for k, v in d.get("entries", {}).items()},
+            streaks={str(k): [int(v[0]), int(v[1])] for k, v in d.get("streaks", {}).items()},
+            acks={str(k): str(v) for k, v in d.get("acks", {}).items()},
+            survivors={str(k) for k in d.get("survivors", [])},
+        )
+
+
+def _incident(raw: Any) -> dict[str, Any] | None:
+    """An XID incident's members as saved, checked field by field (garbage raises)."""
+    if raw is None:
+        return None
+    members = {str(int(x)): {"count": int(m["count"]), "action": Action.parse(m["action"]).value,
+                             "why": str(m.get("why", ""))} for x, m in raw["members"].items()}
+    return {"members": members, "sources": [str(s) for s in raw["sources"]],
+            "earliest": float(raw["earliest"]), "latest": float(raw["latest"])}
+
+
+def _escalated(signal: Signal) -> Signal:
+    return replace(
+        signal, action=Action.REPLACE_NODE,
+        summary=f"{signal.summary}; it came back after a reboot, so the node must be replaced",
+    )

@@ -1,0 +1,215 @@
+"""Observations -> findings -> verdict: the classifier the agent loop and ``check`` call.
+
+``Classifier.observe(collection)`` is pure in the sense that matters: no I/O, no clock reads (only
+``collection.timestamp`` and the samples' timestamps), so every decision can be replayed in a
+test. Its memory (open findings, XID incidents, counter histories) is exported with
+``export_state`` and saved by the agent in the same atomic write as the kernel-log cursor, so a
+restart neither forgets an open finding nor counts an XID twice.
+
+The order of one observation:
+1. a new boot id (a reboot) closes every finding below replace_node;
+2. a new UUID at a known PCI id (the GPU was physically replaced) closes that GPU's findings;
+3. XIDs join incidents; GPU and EFA samples run their rules; the inventory is counted;
+4. the open findings, expired where their window passed, are the verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+from healthagent.model import Collection, GpuSample, Verdict, XidEvent
+from healthagent.policy.book import FindingBook, Signal
+from healthagent.policy.catalog import Catalog
+from healthagent.policy.counters import finite
+from healthagent.policy.explain import explain
+from healthagent.policy.incidents import XidIncidents
+from healthagent.policy.inventory import MAX_KNOWN, inventory
+from healthagent.policy.rules_efa import EfaRules, EfaTrack, efa_key
+from healthagent.policy.rules_gpu import GpuRules, GpuTrack, gpu_key
+from healthagent.policy.settings import Policy
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+MAX_TRACKS = 256  # GPUs / EFA ports remembered; far above any real node, a bound for garbage input
+
+__all__ = ["Classifier", "classify_event", "explain"]
+
+
+class Classifier:
+    """The node's fault policy with its memory. One instance per agent; not thread-safe (the
+    loop is its only caller)."""
+
+    def __init__(self, policy: Policy, catalog: Catalog) -> None:
+        self.policy = policy
+        self.catalog = catalog
+        self.gpu_rules = GpuRules(policy)
+        self.efa_rules = EfaRules(policy)
+        self.restore_errors = 0
+        self.internal_errors = 0
+        # The XIDs of the last observation that count (a repeat of the same XID from a second
+        # reporter within xid_dedupe_seconds is left out): what healthagent_xid_errors_total should add.
+        self.counted_xids: tuple[XidEvent, ...] = ()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.book = FindingBook(self.policy)
+        self.incidents = XidIncidents(self.policy, self.catalog)
+        self.gpus: dict[str, GpuTrack] = {}
+        self.efa: dict[str, EfaTrack] = {}
+        self.known_gpus: dict[str, str] = {}  # PCI id -> "GPU 3 (0000:a8:00.0)", seen since the last clear
+        self.known_efa: dict[str, str] = {}
+        self.boot_id = ""
+        self.now = 0.0
+        self.inventory_time: float | None = None
+
+    # -- observe ----------------------------------------------------------------------------------
+
+    def observe(self, collection: Collection) -> Verdict:
+        now = float(collection.timestamp) if finite(collection.timestamp) else self.now
+        self.now = now
+        self._guard("boot", self._check_boot, collection)
+        self._guard("replaced", self._check_replaced, collection.gpus)
+        counted: list[XidEvent] = []
+        arranged = self._guard("xids", self.incidents.arrange, collection.xids, collection.gpus, now) or []
+        for event, t, where in arranged:  # one by one: a bad event must not take its batch with it
+            if self._guard("xid", self.incidents.take, event, t, where, self.book):
+                counted.append(event)
+        self.counted_xids = tuple(counted)
+        self._guard("xids", self.incidents.describe, self.book)
+        for gpu in collection.gpus:
+            self._guard("gpu", self._apply, self.gpu_rules.evaluate(gpu, self._gpu_track(gpu), now), now)
+        for sample in collection.efa:
+            self._guard("efa", self._apply, self.efa_rules.evaluate(sample, self._efa_track(sample), now), now)
+        if self._inventory_is_new(collection, now):
+            self._guard("inventory", self._apply, inventory(collection, self.known_gpus, self.known_efa), now)
+        return Verdict.of(self.book.findings(now), now)
+
+    def _apply(self, signals: Iterable[Signal], now: float) -> None:
+        for signal in signals:
+            self.book.apply(signal, now)
+
+    def _guard(self, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A bug in one rule must not blind the others: count it, log the first few, go on."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.internal_errors += 1
+            if self.internal_errors <= 3 or self.internal_errors % 1000 == 0:
+                log.exception("policy stage=%s failed errors=%d", stage, self.internal_errors)
+            return None
+
+    def _check_boot(self, collection: Collection) -> None:
+        boot_id = collection.boot_id or ""
+        if boot_id and self.boot_id and boot_id != self.boot_id:
+            closed = self.book.on_reboot()
+            for track in self.gpus.values():
+                track.thermal_since = track.power_since = None
+            log.info("boot_id changed old=%s new=%s findings_closed=%d", self.boot_id, boot_id, closed)
+        if boot_id:
+            self.boot_id = boot_id
+
+    def _check_replaced(self, gpus: tuple[GpuSample, ...]) -> None:
+        for gpu in gpus:
+            if not gpu.pci_bus_id or not gpu.uuid:
+                continue
+            track = self.gpus.get(gpu.pci_bus_id)
+            if track is not None and track.uuid and track.uuid != gpu.uuid:
+                closed = self.book.on_gpu_replaced(gpu.pci_bus_id)
+                self.gpus[gpu.pci_bus_id] = GpuTrack(uuid=gpu.uuid)
+                log.info("gpu replaced pci=%s old_uuid=%s new_uuid=%s findings_closed=%d",
+                         gpu.pci_bus_id, track.uuid, gpu.uuid, closed)
+            self.book.fill_uuid(gpu.pci_bus_id, gpu.uuid)
+
+    def _gpu_track(self, gpu: GpuSample) -> GpuTrack:
+        key = gpu_key(gpu)
+        track = self.gpus.get(key)
+        if track is None:
+            if len(self.gpus) >= MAX_TRACKS:
+                self.gpus.pop(next(iter(self.gpus)))
+            track = self.gpus[key] = GpuTrack(uuid=gpu.uuid)
+        elif gpu.uuid and not track.uuid:
+            track.uuid = gpu.uuid
+        return track
+
+    def _efa_track(self, sample: Any) -> EfaTrack:
+        key = efa_key(sample)
+        if key not in self.efa and len(self.efa) >= MAX_TRACKS:
+            self.efa.pop(next(iter(self.efa)))
+        return self.efa.setdefault(key, EfaTrack())
+
+    def _inventory_is_new(self, collection: Collection, now: float) -> bool:
+        """Count the inventory once per new set of samples, not once per kernel-log wake-up."""
+        times = [s.timestamp for s in (*collection.gpus, *collection.efa) if finite(s.timestamp)]
+        t = max(times) if times and max(times) > 0 else now
+        if t == self.inventory_time:
+            return False
+        self.inventory_time = t
+        return True
+
+    # -- operator ---------------------------------------------------------------------------------
+
+    def clear(self, now: float, reason: str) -> int:
+        """Close every open finding (replace-class too). Conditions that are still true (a sticky
+        hardware flag) stay quiet until they change; new XIDs start new incidents; the inventory
+        is learned again."""
+        closed = self.book.clear(now)
+        self.known_gpus.clear()
+        self.known_efa.clear()
+        log.info("findings cleared by operator count=%d reason=%s", closed, " ".join(str(reason).split()) or "-")
+        return closed
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def export_state(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "boot_id": self.boot_id,
+            "now": self.now,
+            "inventory_time": self.inventory_time,
+            "book": self.book.to_dict(),
+            "incidents": self.incidents.to_dict(),
+            "gpus": {k: t.to_dict() for k, t in self.gpus.items()},
+            "efa": {k: t.to_dict() for k, t in self.efa.items()},
+            "known_gpus": dict(self.known_gpus),
+            "known_efa": dict(self.known_efa),
+        }
+
+    def restore_state(self, d: Any) -> None:
+        """Load what ``export_state`` wrote. ``{}`` is a clean start; anything unreadable is
+        counted, logged once and replaced by a clean start: never raises."""
+        self._reset()
+        if not d:
+            return
+        try:
+            if not isinstance(d, dict) or d.get("version") != STATE_VERSION:
+                raise ValueError(f"unknown state version {d.get('version') if isinstance(d, dict) else type(d)}")
+            self.boot_id = str(d.get("boot_id", ""))
+            self.now = float(d.get("now", 0.0))
+            inventory_time = d.get("inventory_time")
+            self.inventory_time = None if inventory_time is None else float(inventory_time)
+            self.book = FindingBook.from_dict(self.policy, d.get("book", {}))
+            self.incidents.load(d.get("incidents", {}))
+            self.gpus = {str(k): GpuTrack.from_dict(v) for k, v in list(d.get("gpus", {}).items())[:MAX_TRACKS]}
+            self.efa = {str(k): EfaTrack.from_dict(v) for k, v in list(d.get("efa", {}).items())[:MAX_TRACKS]}
+            self.known_gpus = _words(d.get("known_gpus", {}))
+            self.known_efa = _words(d.get("known_efa", {}))
+        except Exception as exc:  # garbage of any shape: start clean, say so once
+            self.restore_errors += 1
+            log.warning("classifier state unreadable, starting clean error=%s", repr(exc)[:200])
+            self._reset()
+
+
+def _words(d: dict[str, Any]) -> dict[str, str]:
+    if not isinstance(d, dict):
+        raise ValueError("known devices must be a mapping")
+    return {str(k): str(v) for k, v in list(d.items())[:MAX_KNOWN]}
+
+
+def classify_event(event: XidEvent, catalog: Catalog) -> dict[str, Any]:
+    """One kernel-log event as ``healthagent classify`` prints it."""
+    entry, action, _ = catalog.decide(event)
+    number_key = "sxid" if event.kind == "sxid" else "xid"
+    return {number_key: entry.xid, "pci_bus_id": event.pci_bus_id, "name": entry.name,
+            "action": action.value, "line": event.line}

@@ -1,0 +1,232 @@
+"""XID incidents: one fault, one finding, however many XIDs the driver logs for it.
+
+A failing GPU makes the driver log a burst (XID 94, 45, 45, 45 ... 154); a node must get one
+Event per incident, not forty. So XIDs on one GPU join the same incident until
+``incident_quiet_seconds`` of silence (NVIDIA's fleet tooling uses three minutes). The incident's
+finding keeps its ``first_seen`` (so ``Finding.key`` is stable for the whole incident), lists its
+distinct XIDs with counts, and takes the most severe action of its members.
+
+The same XID often arrives twice: from the kernel log and from NVML's event queue, seconds apart
+(and XID 79 a third time, as the kernel's separate "GPU has fallen off the bus" line). Within
+``xid_dedupe_seconds`` a report from one reporter joins an earlier counted report of the same
+(GPU, XID) that this reporter has not joined yet, and is not counted again; repeats from one
+reporter are real repeats.
+An XID whose GPU is unknown is a node-level incident: never dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from healthagent.model import Action, GpuSample, XidEvent, canonical_pci_bus_id
+from healthagent.policy.book import EVENT, Entry, FindingBook, Where
+from healthagent.policy.catalog import FALLEN_OFF_BUS_XID, Catalog
+from healthagent.policy.counters import finite
+from healthagent.policy.findings import (ACTION_STEPS, ACTION_WORDS, FINDINGS, fill, gpu_words,
+                                         span_words, steps_for)
+from healthagent.policy.settings import Policy
+
+GPU_XID = "GPU_XID"
+NVSWITCH_SXID = "NVSWITCH_SXID"
+MAX_RECENT = 256  # remembered events per (GPU, XID) for cross-source pairing
+
+
+def event_time(event: XidEvent, now: float) -> float:
+    """The event's own time when it is sane, else the collection's; never in the future."""
+    t = event.timestamp
+    if not finite(t) or t <= 0:
+        return now
+    return min(float(t), now)
+
+
+def locate(event: XidEvent, gpus: Iterable[GpuSample]) -> Where:
+    """Which GPU an event names: by PCI id, else UUID, else NVML index."""
+    pci = canonical_pci_bus_id(event.pci_bus_id) if event.pci_bus_id else None
+    if event.kind == "sxid":
+        return Where(pci_bus_id=pci or "")
+    for gpu in gpus:
+        if (pci and gpu.pci_bus_id == pci) or (not pci and event.uuid and gpu.uuid == event.uuid) or (
+                not pci and not event.uuid and event.gpu_index is not None and gpu.index == event.gpu_index):
+            return Where(gpu.index, gpu.pci_bus_id, gpu.uuid or event.uuid)
+    return Where(event.gpu_index, pci or "", event.uuid)
+
+
+@dataclass
+class XidIncidents:
+    policy: Policy
+    catalog: Catalog
+    # "subject/kind/number" -> {"items": [[t, [reporters]], ...], "next": {reporter: item index}}
+    recent: dict[str, dict[str, Any]] = field(default_factory=dict)
+    paired: int = 0  # events not counted because another source already reported them
+
+    def arrange(self, events: Iterable[XidEvent], gpus: tuple[GpuSample, ...],
+                now: float) -> list[tuple[XidEvent, float, Where]]:
+        """The events with their time and GPU, oldest first (the order incidents must see them)."""
+        self._forget(now)
+        return sorted(((e, event_time(e, now), locate(e, gpus)) for e in events), key=lambda p: p[1])
+
+    def take(self, event: XidEvent, t: float, where: Where, book: FindingBook) -> bool:
+        """Join one event to its incident; False when it repeats another reporter's (not counted).
+        The incident's words are written by ``describe`` once the batch is in."""
+        if self._is_repeat_from_other_source(event, t, where):
+            return False
+        self._join(event, t, where, book)
+        return True
+
+    def describe(self, book: FindingBook) -> None:
+        """Write summary, evidence and next steps of the incidents that changed."""
+        for entry in book.entries.values():
+            if entry.incident is not None and entry.incident.get("changed"):
+                del entry.incident["changed"]
+                self._describe(entry)
+
+    # -- cross-source pairing ---------------------------------------------------------------------
+
+    def _is_repeat_from_other_source(self, event: XidEvent, t: float, where: Where) -> bool:
+        """True when another reporter (source, or the kernel's separate fallen-off-the-bus line)
+        already reported this XID on this GPU within the window: it is one fault, counted once.
+
+        Each reporter joins the counted reports in time order (a pointer per reporter), so pairing
+        costs the same for one XID as for a flood of fifty thousand.
+        """
+        window = self.policy.xid_dedupe_seconds
+        number = FALLEN_OFF_BUS_XID if event.kind == "fallen_off_bus" else event.xid
+        kind = "sxid" if event.kind == "sxid" else "xid"
+        reporter = f"{event.source}/{event.kind}"
+        recent = self.recent.setdefault(f"{where.subject}/{kind}/{number}", {"items": [], "next": {}})
+        items, following = recent["items"], recent["next"]
+        i = following.get(reporter, 0)
+        while i < len(items) and (items[i][0] < t - window or reporter in items[i][1]):
+            i += 1
+        if i < len(items) and items[i][0] <= t + window:
+            items[i][1].append(reporter)
+            following[reporter] = i + 1
+            self.paired += 1
+            return True
+        following[reporter] = i
+        items.append([t, [reporter]])
+        if len(items) > MAX_RECENT:
+            _drop_front(recent, len(items) - MAX_RECENT)
+        return False
+
+    def _forget(self, now: float) -> None:
+        horizon = now - 2 * self.policy.xid_dedupe_seconds
+        for key in list(self.recent):
+            recent = self.recent[key]
+            old = 0
+            while old < len(recent["items"]) and recent["items"][old][0] < horizon:
+                old += 1
+            if old == len(recent["items"]):
+                del self.recent[key]
+            elif old:
+                _drop_front(recent, old)
+
+    # -- incidents --------------------------------------------------------------------------------
+
+    def _join(self, event: XidEvent, t: float, where: Where, book: FindingBook) -> None:
+        entry_info, action, why = self.catalog.decide(event)
+        if action is Action.NONE:
+            return  # the operator silenced this XID; it is still counted in the metrics
+        code = NVSWITCH_SXID if event.kind == "sxid" else GPU_XID
+        if not self.policy.enabled(code):
+            return
+        quiet = self.policy.incident_quiet_seconds
+        joinable = [e for _, e in book.matching(code, where.subject) if e.incident is not None
+                    and e.incident["earliest"] - quiet <= t <= e.incident["latest"] + quiet]
+        if joinable:
+            entry = max(joinable, key=lambda e: e.incident["latest"])
+        else:
+            entry = self._open(code, where, t, book)
+        incident = entry.incident
+        member = incident["members"].setdefault(str(entry_info.xid), {"count": 0, "action": "none", "why": ""})
+        member["count"] += 1
+        if action.severity > Action.parse(member["action"]).severity:
+            member["action"], member["why"] = action.value, why
+        if event.source and event.source not in incident["sources"]:
+            incident["sources"].append(event.source)
+        incident["earliest"] = min(incident["earliest"], t)
+        incident["latest"] = max(incident["latest"], t)
+        entry.where = Where(
+            entry.where.gpu_index if entry.where.gpu_index is not None else where.gpu_index,
+            entry.where.pci_bus_id or where.pci_bus_id, entry.where.uuid or where.uuid)
+        entry.count += 1
+        entry.last_seen = max(entry.last_seen, t)
+        entry.quiet_seconds = self.policy.xid_window_seconds
+        entry.action = Action.most_severe([entry.action, action])
+        incident["changed"] = True
+
+    def _open(self, code: str, where: Where, t: float, book: FindingBook) -> Entry:
+        slot = f"{code}/{where.subject}"
+        first = t
+        while f"{slot}/{first:.3f}" in book.entries:
+            first += 0.001
+        key = f"{slot}/{first:.3f}"
+        entry = Entry(code=code, action=Action.NONE, summary="", evidence="", next_steps="", where=where,
+                      first_seen=first, last_seen=first, kind=EVENT,
+                      quiet_seconds=self.policy.xid_window_seconds, count=0,
+                      incident={"members": {}, "sources": [], "earliest": t, "latest": t})
+        book.entries[key] = entry
+        self._bound(code, where.subject, key, book)
+        return entry
+
+    def _bound(self, code: str, subject: str, keep: str, book: FindingBook) -> None:
+        """At most ``max_incidents_per_gpu`` incidents per GPU: the mildest, oldest go first."""
+        mine = [(k, e) for k, e in book.matching(code, subject) if k != keep]
+        extra = len(mine) + 1 - int(self.policy.max_incidents_per_gpu)
+        if extra > 0:
+            mine.sort(key=lambda ke: (ke[1].action.severity, ke[1].last_seen))
+            for key, _ in mine[:extra]:
+                del book.entries[key]
+
+    def _describe(self, entry: Entry) -> None:
+        members = entry.incident["members"]
+        for_action = {x: Action.parse(m["action"]) for x, m in members.items()}
+        entry.action = Action.most_severe(list(for_action.values()))
+        entry.xids = tuple(sorted(int(x) for x in members))
+        worst = max(members, key=lambda x: (for_action[x].severity, members[x]["count"], -int(x)))
+        sxid = entry.code == NVSWITCH_SXID
+        label = "SXid" if sxid else "XID"
+        info = self.catalog.lookup_sxid(int(worst)) if sxid else self.catalog.lookup(int(worst))
+        w = entry.where
+        place = f"NVSwitch {w.pci_bus_id or '(PCI id unknown)'}" if sxid else (
+            gpu_words(w.gpu_index, w.pci_bus_id) if (w.pci_bus_id or w.gpu_index is not None)
+            else "a GPU the log did not name (node-level)")
+        counts = ", ".join(f"{x} x{members[str(x)]['count']}" for x in entry.xids)
+        sources = ", ".join(entry.incident["sources"]) or "unknown"
+        entry.evidence = (f"{label} {counts} on {place} "
+                          f"{span_words(entry.incident['earliest'], entry.incident['latest'])} "
+                          f"(source: {sources}); {members[worst]['action']}: {members[worst]['why']}")
+        what = f"{info.description or info.name} ({label} {worst}, {info.name})"
+        if entry.action is Action.RESTART_APP:
+            entry.summary = f"the application on {place} faulted: {what}; the GPU is expected to be healthy"
+        else:
+            entry.summary = f"{place}: {what}; {ACTION_WORDS[entry.action]}"
+        if len(entry.xids) > 1:
+            entry.summary += f" ({len(entry.xids)} XIDs in this incident)"
+        if sxid:
+            entry.next_steps = steps_for(NVSWITCH_SXID)
+        else:
+            steps = fill(ACTION_STEPS[entry.action], index=w.gpu_index, pci_bus_id=w.pci_bus_id, xid=int(worst))
+            entry.next_steps = f"{steps} Runbook: {FINDINGS[GPU_XID].runbook}"
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"recent": {k: {"items": [[i[0], list(i[1])] for i in v["items"]], "next": dict(v["next"])}
+                           for k, v in self.recent.items()},
+                "paired": self.paired}
+
+    def load(self, d: dict[str, Any]) -> None:
+        recent = {}
+        for key, value in d.get("recent", {}).items():
+            items = [[float(i[0]), [str(r) for r in i[1]]] for i in value["items"]][-MAX_RECENT:]
+            following = {str(r): min(max(0, int(n)), len(items)) for r, n in value["next"].items()}
+            recent[str(key)] = {"items": items, "next": following}
+        self.recent = recent
+        self.paired = int(d.get("paired", 0))
+
+
+def _drop_front(recent: dict[str, Any], count: int) -> None:
+    del recent["items"][:count]
+    recent["next"] = {r: max(0, n - count) for r, n in recent["next"].items()}

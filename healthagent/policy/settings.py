@@ -1,0 +1,185 @@
+"""The operator's policy: XID action overrides, thresholds and disabled rules, from one YAML file.
+
+A policy file looks like this (every key optional; see ``docs/findings.md#policy-file`` and
+``tests/fixtures/policy/policy-example.yaml``)::
+
+    xid:                 # XID number -> action; overrides the bundled catalog row
+      94: restart_app
+    sxid:                # NVSwitch SXid number -> action (default monitor)
+      12028: reboot_node
+    disabled_rules: [GPU_POWER_THROTTLE]
+    thresholds:
+      incident_quiet_seconds: 180
+      efa_rx_drops_per_minute: 500
+
+It is validated completely at start-up: an unknown key, an action that does not exist, a negative
+or non-numeric threshold each stop the agent with one ``PolicyError`` line that names the key and
+the fix. A health agent that silently ignores a typo in its policy would take nodes out (or keep
+bad ones in) against the operator's intent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from healthagent.config import read_yaml
+from healthagent.model import Action
+from healthagent.policy.findings import DOCS, FINDING_CODES
+
+
+class PolicyError(Exception):
+    """A bad policy file; ``str()`` is one line naming the key and the fix."""
+
+
+@dataclass(frozen=True)
+class Threshold:
+    default: float
+    kind: str  # "seconds" | "count" (integer >= 1) | "number" (>= 0) | "factor" (>= 1)
+    help: str
+
+
+# Every tunable number, with its default and the source of that default.
+THRESHOLDS: dict[str, Threshold] = {
+    "incident_quiet_seconds": Threshold(180, "seconds", "silence that ends an XID incident (NVIDIA fleet tooling: 3 min)"),
+    "xid_window_seconds": Threshold(3600, "seconds", "an XID incident below reboot_node drives the verdict this long after its last XID"),
+    "xid_dedupe_seconds": Threshold(10, "seconds", "the same XID from kmsg and NVML within this many seconds counts once"),
+    "max_incidents_per_gpu": Threshold(32, "count", "open XID incidents kept per GPU (oldest, mildest dropped first)"),
+    "condition_raise_evaluations": Threshold(1, "count", "consecutive bad evaluations before a condition (remap pending, lost GPU ...) is raised"),
+    "condition_clear_evaluations": Threshold(3, "count", "consecutive good evaluations before a condition below reboot_node clears"),
+    "counter_quiet_seconds": Threshold(300, "seconds", "a rate finding clears after this long under its threshold"),
+    "counter_window_seconds": Threshold(3600, "seconds", "a counter-growth finding below reboot_node (DBE) drives the verdict this long after the last growth"),
+    "rate_window_seconds": Threshold(60, "seconds", "window over which NVLink, PCIe and EFA counter growth is measured"),
+    "sbe_window_seconds": Threshold(600, "seconds", "window of the corrected-ECC rate (compared with the window before it)"),
+    "sbe_storm_per_minute": Threshold(10, "number", "corrected ECC errors per minute that count as a storm (DCGM's placeholder limit)"),
+    "sbe_acceleration_factor": Threshold(2, "factor", "the corrected-error rate must exceed the previous window's rate times this"),
+    "retired_pages_limit": Threshold(60, "count", "retired pages (single+double bit) that mean RMA (DCGM/NVIDIA: 60)"),
+    "retired_pages_dbe_limit": Threshold(15, "count", "double-bit retired pages past which more than one new one a week means RMA (DCGM: 15)"),
+    "nvlink_errors_per_minute": Threshold(0, "number", "NVLink replay+recovery errors per minute tolerated (DCGM: any growth)"),
+    "nvlink_crc_errors_per_second": Threshold(100, "number", "NVLink CRC (flit+data) errors per second tolerated (DCGM: 100/s)"),
+    "pcie_replay_per_minute": Threshold(8, "number", "PCIe replays per minute tolerated (DCGM: 8/min)"),
+    "throttle_sustain_seconds": Threshold(300, "seconds", "a HW thermal / power-brake slowdown must last this long to count"),
+    "efa_unresponsive_remote_per_minute": Threshold(100, "number", "unresponsive_remote_events per minute tolerated (AWS EKS node monitoring agent: 100)"),
+    "efa_impaired_remote_per_minute": Threshold(100, "number", "impaired_remote_conn_events per minute tolerated (AWS: 100)"),
+    "efa_retrans_timeout_per_minute": Threshold(100, "number", "retrans_timeout_events per minute tolerated (AWS: 100)"),
+    "efa_cmds_err_per_minute": Threshold(100, "number", "cmds_err per minute tolerated (AWS: 100)"),
+    "efa_rx_drops_per_minute": Threshold(100, "number", "rx_drops per minute tolerated (AWS: 100)"),
+    "efa_wr_err_per_minute": Threshold(100, "number", "rdma_read_wr_err + rdma_write_wr_err per minute tolerated (AWS: 100)"),
+}
+
+TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Thresholds, windows, XID/SXid action overrides and disabled rules; immutable once loaded."""
+
+    thresholds: Mapping[str, float] = field(
+        default_factory=lambda: MappingProxyType({k: t.default for k, t in THRESHOLDS.items()}))
+    xid_actions: Mapping[int, Action] = field(default_factory=lambda: MappingProxyType({}))
+    sxid_actions: Mapping[int, Action] = field(default_factory=lambda: MappingProxyType({}))
+    disabled_rules: frozenset[str] = frozenset()
+    source: str = ""  # the file it came from; "" = built-in defaults
+
+    def __getattr__(self, name: str) -> float:
+        """``policy.incident_quiet_seconds`` reads a threshold (the names are fixed above)."""
+        thresholds = self.__dict__.get("thresholds")
+        if thresholds is not None and name in thresholds:
+            return thresholds[name]
+        raise AttributeError(name)
+
+    def enabled(self, code: str) -> bool:
+        return code not in self.disabled_rules
+
+
+def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:
+    if raw is None:
+        return MappingProxyType({})
+    if not isinstance(raw, dict):
+        raise PolicyError(f"{section}: must be a mapping of {what} number: action, e.g. {{94: restart_app}}")
+    out: dict[int, Action] = {}
+    for key, value in raw.items():
+        if isinstance(key, bool) or not str(key).strip().isdigit():
+            raise PolicyError(f"{section}.{key}: {key!r} is not an {what} number; use an integer such as 94")
+        number = int(str(key).strip())
+        if not isinstance(value, str):
+            raise PolicyError(f"{section}.{number}: {value!r} is not an action; use one of: "
+                              + ", ".join(a.value for a in Action))
+        try:
+            out[number] = Action.parse(value)
+        except ValueError as exc:
+            raise PolicyError(f"{section}.{number}: {exc}") from None
+    return MappingProxyType(out)
+
+
+def _threshold(key: str, raw: Any) -> float:
+    spec = THRESHOLDS.get(key)
+    if spec is None:
+        raise PolicyError(f"thresholds.{key}: unknown threshold; valid: " + ", ".join(sorted(THRESHOLDS)))
+    example = f"e.g. {spec.default:g}"
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise PolicyError(f"thresholds.{key}: {raw!r} is not a number; use a number, {example}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise PolicyError(f"thresholds.{key}: {raw!r} is not a number; use a number, {example}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise PolicyError(f"thresholds.{key}: {raw!r} is not a finite number; use a number, {example}")
+    if value < 0:
+        raise PolicyError(f"thresholds.{key}: {value:g} is negative; use 0 or more, {example}")
+    if spec.kind == "count" and (value < 1 or value != int(value)):
+        raise PolicyError(f"thresholds.{key}: {value:g} must be a whole number of at least 1, {example}")
+    if spec.kind == "factor" and value < 1:
+        raise PolicyError(f"thresholds.{key}: {value:g} must be at least 1, {example}")
+    if spec.kind == "seconds" and value == 0 and key in ("incident_quiet_seconds", "rate_window_seconds",
+                                                          "sbe_window_seconds"):
+        raise PolicyError(f"thresholds.{key}: must be greater than 0 seconds, {example}")
+    return value
+
+
+def _disabled(raw: Any) -> frozenset[str]:
+    if raw is None:
+        return frozenset()
+    if isinstance(raw, str) or not isinstance(raw, list):
+        raise PolicyError("disabled_rules: must be a list of finding codes, e.g. [GPU_POWER_THROTTLE]")
+    out = set()
+    for item in raw:
+        code = str(item).strip().upper()
+        if code not in FINDING_CODES:
+            raise PolicyError(f"disabled_rules: unknown rule {item!r}; use a finding code from {DOCS}: "
+                              + ", ".join(FINDING_CODES))
+        out.add(code)
+    return frozenset(out)
+
+
+def parse_policy(data: Any, source: str = "") -> Policy:
+    """Validate an already-parsed policy document (a mapping). Raises PolicyError."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PolicyError(f"policy: {source or 'the document'} must be a mapping with keys "
+                          + ", ".join(TOP_LEVEL_KEYS))
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise PolicyError(f"policy: unknown key {key!r}; valid keys: " + ", ".join(TOP_LEVEL_KEYS))
+    raw_thresholds = data.get("thresholds") or {}
+    if not isinstance(raw_thresholds, dict):
+        raise PolicyError("thresholds: must be a mapping of name: number, e.g. {incident_quiet_seconds: 180}")
+    thresholds = {k: t.default for k, t in THRESHOLDS.items()}
+    for key, raw in raw_thresholds.items():
+        thresholds[str(key)] = _threshold(str(key), raw)
+    return Policy(
+        thresholds=MappingProxyType(thresholds),
+        xid_actions=_actions("xid", data.get("xid"), "XID"),
+        sxid_actions=_actions("sxid", data.get("sxid"), "SXid"),
+        disabled_rules=_disabled(data.get("disabled_rules")),
+        source=source,
+    )
+
+
+def load_policy(path: str | None) -> Policy:
+    """The built-in policy, or the operator's file merged over it. Raises PolicyError."""
+    if not path:
+        return Policy()
+    return parse_policy(read_yaml(path, "policy", "--policy-file", PolicyError), source=path)

@@ -1,0 +1,74 @@
+"""The policy through the real command line: classify, explain, a bad policy file, and ``check`` on
+the demo node (real stub libnvidia-ml compiled with cc, real sysfs-shaped tree, real kmsg file)."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from healthagent.cli import main
+
+KERNEL_LOG = """\
+May 01 09:51:12 node kernel: NVRM: Xid (PCI:0000:86:00): 94, pid=1234, name=python, Contained: CE User Channel (0x9)
+May 01 09:51:13 node kernel: NVRM: Xid (PCI:0000:86:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)
+May 01 09:51:14 node kernel: nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error
+May 01 09:51:15 node kernel: usb 1-1: new high-speed USB device number 2
+"""
+
+
+def test_classify_prints_one_json_object_per_event(tmp_path, capsys):
+    log = tmp_path / "kern.log"
+    log.write_text(KERNEL_LOG, encoding="utf-8")
+    assert main(["classify", str(log)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r.get("xid"), r.get("sxid"), r["action"]) for r in rows] == [
+        (94, None, "replace_node"), (154, None, "reboot_node"), (None, 12028, "monitor")]
+    assert rows[0]["pci_bus_id"] == "0000:86:00.0" and rows[0]["name"] == "ROBUST_CHANNEL_CONTAINED_ERROR"
+
+
+def test_classify_with_an_override(tmp_path, capsys):
+    log, policy = tmp_path / "kern.log", tmp_path / "policy.yaml"
+    log.write_text(KERNEL_LOG, encoding="utf-8")
+    policy.write_text("xid: {94: restart_app}\n", encoding="utf-8")
+    assert main(["classify", str(log), "--policy-file", str(policy)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["action"] == "restart_app"
+
+
+def test_explain(capsys):
+    assert main(["explain", "13"]) == 0
+    out = capsys.readouterr().out
+    assert "Our action: restart_app" in out and "application-caused" in out
+
+
+def test_bad_policy_file_is_one_line_and_exit_3(tmp_path, capsys):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("thresholds: {incident_quiet_seconds: -1}\n", encoding="utf-8")
+    assert main(["explain", "94", "--policy-file", str(policy)]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "thresholds.incident_quiet_seconds" in err
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("xid,exit_code,words", [
+    (94, 2, ["GPU_XID", "replace_node", "0000:86:00.0"]),
+    (13, 1, ["restart_app", "application fault"]),
+])
+def test_check_on_the_demo_node(tmp_path, xid, exit_code, words):
+    if shutil.which("cc") is None:
+        pytest.skip("cc not installed: the stub libnvidia-ml.so.1 cannot be built")
+    from healthagent.demo.node import build_demo_root
+
+    node = build_demo_root(tmp_path / "host")
+    node.inject_xid(3, xid)
+    # a child process: check loads the stub NVML library, which must not leak into this one
+    done = subprocess.run([sys.executable, "-m", "healthagent", "check", "--host-root", str(node.root),
+                           "--expected-gpus", "8"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == exit_code, done.stdout + done.stderr
+    verdict_table = done.stdout.split("Verdict:", 1)[1]
+    for word in words:
+        assert word in verdict_table
+    assert "GPU_XID on GPU 3 (0000:86:00.0)" in verdict_table  # GPU 3, its PCI id

@@ -1,0 +1,43 @@
+"""docs/findings.md is the runbook alerts link to: every code and every threshold must be there."""
+
+import re
+from pathlib import Path
+
+from healthagent.policy.findings import FINDING_CODES, FINDINGS
+from healthagent.policy.settings import THRESHOLDS
+
+DOC = (Path(__file__).parents[2] / "docs" / "findings.md").read_text(encoding="utf-8")
+
+# The stable codes as the brief fixes them (docs, alerts and dashboards use them).
+BRIEF_CODES = """GPU_XID NVSWITCH_SXID GPU_ECC_DBE GPU_SBE_STORM GPU_ROW_REMAP_FAILURE GPU_ROW_REMAP_PENDING
+GPU_RETIRED_PAGES GPU_RETIRED_PAGES_PENDING GPU_LOST GPU_MISSING GPU_NVLINK_ERRORS GPU_PCIE_REPLAY
+GPU_THERMAL_THROTTLE GPU_POWER_THROTTLE EFA_DEVICE_MISSING EFA_ADMIN_QUEUE_STUCK EFA_CMD_ERRORS
+EFA_UNRESPONSIVE_REMOTE EFA_IMPAIRED_REMOTE EFA_RETRANS_TIMEOUT EFA_RX_DROPS EFA_WR_ERRORS""".split()
+
+
+def sections() -> dict[str, str]:
+    parts = re.split(r"^## (\S+)\s*$", DOC, flags=re.MULTILINE)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_codes_match_the_brief():
+    assert sorted(FINDING_CODES) == sorted(BRIEF_CODES)
+
+
+def test_every_code_has_a_section_with_meaning_evidence_action_runbook():
+    found = sections()
+    for code in FINDING_CODES:
+        assert code in found, f"docs/findings.md has no '## {code}' heading"
+        body = found[code]
+        for part in ("**Meaning.**", "**Evidence.**", "**Action.**", "**Runbook.**"):
+            assert part in body, f"{code} lacks {part}"
+        assert FINDINGS[code].runbook == f"docs/findings.md#{code.lower()}"
+
+
+def test_every_threshold_is_documented_with_its_default():
+    for name, spec in THRESHOLDS.items():
+        assert f"| `{name}` | {spec.default:g} |" in DOC, name
+
+
+def test_no_port_down_rule_is_explained():
+    assert "no port-down rule" in sections()["EFA_DEVICE_MISSING"]
