@@ -33,6 +33,18 @@ initialisation, before the agent came up, are reported too. A regular file (the 
 ``dev/kmsg``, a ``--kernel-log`` file) is followed by byte offset, with rotation, truncation,
 partial last lines and undecodable bytes handled. Work per ``collect`` is bounded by
 ``max_records_per_cycle``; the rest waits for the next call, nothing is dropped.
+
+Without privilege (``klog.py``): a container that is not privileged cannot open the host's
+/dev/kmsg (its device cgroup refuses the device node, EPERM, whatever its capabilities), and a pod
+may not mount it at all. For the default input the source then reads the same ring buffer through
+the ``syslog(2)`` system call (glibc ``klogctl``, non-destructive READ_ALL), which needs only
+CAP_SYSLOG. Each such read costs the kernel a walk over the whole ring, so it happens at most
+every ``klog_poll_seconds`` (1 s), not at /dev/kmsg's polling rate, and only the lines after the
+last one handed over are decoded and parsed. That call reads the *running* kernel, so it is used
+only when the host root is that kernel's (same boot id, or a boot id that cannot be read): a
+copied or demo host root is never mixed with this machine's log. ``SourceHealth.detail`` names
+the input in use (``/dev/kmsg``, ``klogctl`` and why, ``file PATH``); when neither can be read it
+names the missing privilege.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import logging
 import os
 import re
 import stat
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Iterable, Iterator, Mapping
@@ -49,6 +62,15 @@ from typing import Iterable, Iterator, Mapping
 # The loop's own boot-id reader, so the source and the loop can never disagree about the boot.
 from healthagent.model import SourceHealth, XidEvent, canonical_pci_bus_id
 from healthagent.sources.base import ErrorTally, SourceResult, host_path, read_boot_id
+from healthagent.sources.klog import (
+    TAIL_LINES,
+    KernelLog,
+    ResumeAfter,
+    RingPosition,
+    RingTracker,
+    decode_text,
+    rewind_lines,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +85,11 @@ KMSG_READ_BYTES = 16 * 1024
 FILE_CHUNK_BYTES = 1 << 20
 # A kernel record's text is at most 8 KiB; of a longer candidate line only this much is parsed.
 MAX_PARSED_CHARS = 16 * 1024
+# The klogctl reader's least interval between ring reads: each read costs the kernel a walk over
+# every record in the ring, and a second of delay is nothing next to NVML's event path.
+KLOG_POLL_SECONDS = 1.0
+# Lines before a resume point whose context the parser needs (look-back, SXid headline).
+PARSER_CONTEXT_LINES = 4
 # A syslog stamp up to this far ahead of ``now`` is clock skew, not last year's line.
 FUTURE_SKEW_SECONDS = 86_400.0
 
@@ -145,7 +172,13 @@ class KmsgCursor:
 
     ``seq``/``boot_id`` identify the last /dev/kmsg record handed over (sequence numbers restart
     at every boot, so they only mean something with the boot id). ``path``/``inode``/``offset``
-    locate the next unread byte of a followed regular file.
+    locate the next unread byte of a followed regular file. ``usec``/``same`` are the last
+    record's timestamp (microseconds since boot) and how many records in a row carried it: the
+    klogctl reader has no sequence numbers, and the device reader keeps them too so a restart that
+    switches between the two neither repeats nor skips. ``tail`` holds digests of the last lines
+    the klogctl reader handed over: the last one, found again among the lines of its stamp after a
+    restart, or the last eight, which stand in for a stamp when the kernel log has none
+    (``printk.time`` off).
     """
 
     boot_id: str = ""
@@ -153,14 +186,18 @@ class KmsgCursor:
     path: str = ""
     inode: int | None = None
     offset: int = 0
+    usec: int | None = None
+    same: int = 0
+    tail: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return {"boot_id": self.boot_id, "seq": self.seq, "path": self.path, "inode": self.inode,
-                "offset": self.offset}
+                "offset": self.offset, "usec": self.usec, "same": self.same, "tail": list(self.tail)}
 
     @classmethod
     def from_dict(cls, data: Mapping | None) -> "KmsgCursor":
-        """Rebuild a saved cursor; ``{}`` (or anything unusable) is a fresh cursor."""
+        """Rebuild a saved cursor; ``{}`` (or anything unusable) is a fresh cursor. Cursors saved
+        before a field existed lack it and get its default."""
         if not isinstance(data, Mapping):
             return cls()
 
@@ -172,8 +209,16 @@ class KmsgCursor:
             value = data.get(key)
             return value if isinstance(value, str) else ""
 
+        tail = data.get("tail")
+        digests = (tuple(tail[-TAIL_LINES:]) if isinstance(tail, list) and all(isinstance(d, str) for d in tail)
+                   else ())
+        usec = count("usec")
         return cls(boot_id=text("boot_id"), seq=count("seq"), path=text("path"), inode=count("inode"),
-                   offset=count("offset") or 0)
+                   offset=count("offset") or 0, usec=usec,
+                   same=(count("same") or 1) if usec is not None else 0, tail=digests)
+
+    def ring_position(self) -> RingPosition:
+        return RingPosition(usec=self.usec, same=self.same, tail=self.tail)
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -193,6 +238,16 @@ class XidLineParser:
         self.boot_id = boot_id
         self._previous: tuple[str, str] = ("", "")
         self._last_sxid: tuple[str, int] | None = None
+
+    def prime(self, lines: Iterable[str]) -> None:
+        """Take the context of lines handed over before this parser existed (a restart): the
+        look-back lines and the last SXid headline, yielding no event and counting nothing again."""
+        tally, self.tally = self.tally, ErrorTally(SOURCE_NAME)
+        try:
+            for _ in self.scan(lines):
+                pass
+        finally:
+            self.tally = tally
 
     def scan(self, lines: Iterable[str]) -> Iterator[XidEvent]:
         """The events in ``lines``, lazily. Non-XID lines cost two substring tests."""
@@ -393,12 +448,19 @@ class _DeviceFollower:
     """Reads a /dev/kmsg character device: one record per read(), non-blocking."""
 
     def __init__(self, path: str, fd: int, parser: XidLineParser, tally: ErrorTally,
-                 resume_after: int | None) -> None:
+                 resume_after: int | None, saved: RingPosition = RingPosition()) -> None:
         self.path = path
         self.fd = fd
         self.parser = parser
         self.tally = tally
         self.last_seq = resume_after  # records up to here were handed over in this boot
+        # ``saved`` is this boot's position (a sequence number, when there is one, decides instead):
+        # the klogctl reader hands records over without sequence numbers.
+        self.resume_by_time = (ResumeAfter(saved.usec, saved.same)
+                               if resume_after is None and saved.usec is not None else None)
+        self.last_usec = saved.usec
+        self.same = saved.same
+        self._context: deque[str] = deque(maxlen=PARSER_CONTEXT_LINES)
         self._overrun = False
 
     def read(self, budget: int, events: list[XidEvent]) -> bool:
@@ -420,15 +482,22 @@ class _DeviceFollower:
             if head is None:
                 self.tally.count("parse", f"/dev/kmsg record without a header: {line[:200]!r}")
                 continue
-            seq = int(head.group(2))
-            if self.last_seq is not None and seq <= self.last_seq:
-                continue  # handed over before this (re)open
+            seq, usec = int(head.group(2)), int(head.group(3))
+            if (self.last_seq is not None and seq <= self.last_seq) or (
+                    self.resume_by_time is not None and self.resume_by_time.handed_over(usec)):
+                self._context.append(line)  # handed over before this (re)open
+                continue
+            if self._context:  # the parser takes the context of what was handed over before
+                self.parser.prime(self._context)
+                self._context.clear()
             self._count_loss(seq)
             if _is_candidate(line):
                 event = self.parser.parse(line)
                 if event is not None:
                     events.append(event)
             self.last_seq = seq
+            self.same = self.same + 1 if usec == self.last_usec else 1
+            self.last_usec = usec
         return True
 
     def _count_loss(self, seq: int) -> None:
@@ -440,7 +509,8 @@ class _DeviceFollower:
         self._overrun = False
 
     def cursor(self, boot_id: str) -> KmsgCursor:
-        return KmsgCursor(boot_id=boot_id, seq=self.last_seq, path=self.path)
+        return KmsgCursor(boot_id=boot_id, seq=self.last_seq, path=self.path, usec=self.last_usec,
+                          same=self.same)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -508,14 +578,7 @@ class _FileFollower:
         return True
 
     def _decode(self, data: bytes) -> str:
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError:
-            text = data.decode("utf-8", errors="replace")
-            bad = sum(1 for line in text.split("\n") if "\ufffd" in line)
-            self.tally.count("decode", f"{self.path}: {bad} line(s) with bytes that are not UTF-8 "
-                                       f"(replaced) near offset {self.offset}", n=max(bad, 1))
-            return text
+        return decode_text(data, self.tally, f"{self.path} near offset {self.offset}")
 
     def _drop_seen(self, lines: list[str]) -> list[str]:
         """Drop kmsg records already handed over (seq <= skip_upto) from the front of ``lines``."""
@@ -568,6 +631,65 @@ class _FileFollower:
         os.close(self.fd)
 
 
+class _RingFollower:
+    """Follows the kernel's ring buffer through klogctl: one READ_ALL snapshot per read, and only the
+    lines after the last one handed over are decoded and parsed (``RingTracker``)."""
+
+    def __init__(self, kernel: KernelLog, parser: XidLineParser, tally: ErrorTally,
+                 saved: RingPosition | None, why: str, poll_seconds: float) -> None:
+        self.kernel = kernel
+        self.parser = parser
+        self.tally = tally
+        self.why = why  # why /dev/kmsg is not read, for the health detail
+        self.poll_seconds = poll_seconds
+        self.tracker = RingTracker(saved, tally)
+        self._primed = False
+        self._last_read: float | None = None
+        kernel.open()  # SIZE_BUFFER: refused like READ_ALL, so a missing privilege shows at once
+
+    def read(self, budget: int, events: list[XidEvent]) -> bool:
+        """Append the events of up to ``budget`` new lines; True when the budget ran out first.
+
+        Every READ_ALL makes the kernel walk its whole ring (it finds where the returned text
+        starts by summing every record's length), however little is new. So the ring is read at
+        most every ``poll_seconds`` (``now`` is the loop's, through the parser) unless a backlog
+        is waiting; a clock that went backwards reads at once.
+        """
+        now = self.parser.now
+        if self._last_read is not None and self._last_read <= now < self._last_read + self.poll_seconds:
+            return False
+        self._last_read = now
+        data = self.kernel.read_all()
+        start, stop, end = self.tracker.new_region(data, budget)
+        if not self._primed and stop > start:
+            # Resuming mid-ring: a report's earlier lines (an SXid headline, the first line of the
+            # three-line fallen-off-the-bus report) were handed over before the restart.
+            context = data[rewind_lines(data, start, PARSER_CONTEXT_LINES):start]
+            self.parser.prime(context.decode("utf-8", errors="replace").split("\n")[:-1])
+        self._primed = self._primed or stop > start
+        if stop > start:
+            lines = decode_text(data[start:stop], self.tally, "klogctl").split("\n")
+            lines.pop()  # after the final newline
+            events.extend(self.parser.scan(lines))
+        self.tracker.advance(data, start, stop)
+        if stop < end:
+            self._last_read = None  # a backlog is read on the next call
+        return stop < end
+
+    def cursor(self, boot_id: str) -> KmsgCursor:
+        position = self.tracker.position
+        return KmsgCursor(boot_id=boot_id, usec=position.usec, same=position.same, tail=position.tail)
+
+    def close(self) -> None:
+        self.kernel.close()
+
+
+_Follower = _DeviceFollower | _FileFollower | _RingFollower
+# Opening the default input failed in a way klogctl can get round (the device cgroup's EPERM, a
+# file mode's EACCES, a /dev/kmsg that is not mounted into the pod).
+_FALLBACK_ERRNOS = (errno.EPERM, errno.EACCES, errno.ENOENT)
+
+
 def describe_unreadable(path: str, exc: OSError, device: bool) -> str:
     """One line an operator can act on, for a kernel log that cannot be opened or read."""
     reason = exc.strerror or str(exc)
@@ -584,24 +706,51 @@ def describe_unreadable(path: str, exc: OSError, device: bool) -> str:
     return f"cannot read {path}: {reason}"
 
 
+def describe_device_refusal(path: str, exc: OSError) -> str:
+    """Why the default input was not opened, in a few words (the start of the fallback's detail)."""
+    if isinstance(exc, FileNotFoundError):
+        return f"{path} not found"
+    return f"permission denied reading {path} ({exc.strerror or exc})"
+
+
+def describe_both_unreadable(device_detail: str, exc: OSError) -> str:
+    """Neither /dev/kmsg nor klogctl: name the privilege that is missing."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.EPERM, errno.EACCES):
+        return (f"{device_detail}, and klogctl (syslog(2) READ_ALL) was refused too ({reason}): reading "
+                f"the kernel log needs CAP_SYSLOG (kernel.dmesg_restrict=1); add it to the container "
+                f"(capabilities add SYSLOG, as uid 0, with a seccomp profile that allows syslog, as "
+                f"RuntimeDefault does then), which is enough for klogctl, or run the container "
+                f"privileged to open /dev/kmsg")
+    return (f"{device_detail}, and klogctl (syslog(2) READ_ALL) failed too ({reason}); run the container "
+            f"privileged to open /dev/kmsg, or pass --kernel-log FILE")
+
+
 class KmsgSource:
     """Follows the kernel log (``<host_root>/dev/kmsg`` or ``kernel_log``) and returns new XIDs.
 
     ``cursor`` is where a previous run stopped (``KmsgCursor.from_dict`` of the saved state). After
     each ``collect`` the ``cursor`` property covers exactly the records whose events that call
-    returned, so the loop can save it next to the verdict.
+    returned, so the loop can save it next to the verdict. ``klog`` reads the kernel's ring buffer
+    when the default input cannot be opened (this machine's kernel through glibc by default), at
+    most every ``klog_poll_seconds`` of the ``now`` given to ``collect``.
     """
 
     name = SOURCE_NAME
 
     def __init__(self, host_root: str, kernel_log: str | None = None, cursor: KmsgCursor | None = None,
-                 max_records_per_cycle: int = 50_000) -> None:
+                 max_records_per_cycle: int = 50_000, klog: KernelLog | None = None,
+                 klog_poll_seconds: float = KLOG_POLL_SECONDS) -> None:
         self.host_root = host_root
+        self.kernel_log = kernel_log
         self.path = kernel_log or host_path(host_root, DEFAULT_KMSG)
         self.max_records_per_cycle = max(1, int(max_records_per_cycle))
+        self.klog = klog or KernelLog()
+        self.klog_poll_seconds = max(0.0, float(klog_poll_seconds))
         self.tally = ErrorTally(SOURCE_NAME)
         self._cursor = cursor or KmsgCursor()
-        self._follower: _DeviceFollower | _FileFollower | None = None
+        self._follower: _Follower | None = None
+        self._mode = ""  # the input in use, for the health detail
         self._boot_id = ""
         self._failure = ""  # the detail while the input is unreadable; "" while it is fine
 
@@ -611,20 +760,20 @@ class KmsgSource:
 
     def collect(self, now: float) -> SourceResult:
         events: list[XidEvent] = []
-        detail = ""
         try:
             if self._follower is None:
                 self._follower = self._open(now)
             self._follower.parser.now = now
+            detail = self._mode
             if self._follower.read(self.max_records_per_cycle, events):
-                detail = (f"backlog: {self.max_records_per_cycle} records read this cycle (the cap); "
-                          f"the rest follow next cycle")
+                detail += (f"; backlog: {self.max_records_per_cycle} records read this cycle (the cap); "
+                           f"the rest follow next cycle")
         except OSError as exc:
             self._keep_cursor()  # what was read before the error is handed over with its events
             return self._failed(exc, events)
         self._keep_cursor()
         if self._failure:
-            log.info("source=%s event=readable path=%s", SOURCE_NAME, self.path)
+            log.info("source=%s event=readable input=%r", SOURCE_NAME, self._mode)
             self._failure = ""
         return SourceResult(health=SourceHealth(source=SOURCE_NAME, up=True, detail=detail,
                                                 errors=self.tally.snapshot()),
@@ -636,8 +785,13 @@ class KmsgSource:
 
     def _failed(self, exc: OSError, events: list[XidEvent]) -> SourceResult:
         """Unreadable input: report it (counted once per outage, not per 0.1 s retry), retry later."""
-        device = isinstance(self._follower, _DeviceFollower) or _is_char_device(self.path)
-        detail = str(exc) if isinstance(exc, _InputError) else describe_unreadable(self.path, exc, device)
+        if isinstance(exc, _InputError):
+            detail = exc.strerror
+        elif isinstance(self._follower, _RingFollower):
+            detail = describe_both_unreadable(self._follower.why, exc)
+        else:
+            device = isinstance(self._follower, _DeviceFollower) or _is_char_device(self.path)
+            detail = describe_unreadable(self.path, exc, device)
         self.close()
         if not self._failure:
             self.tally.count("unreadable", detail)
@@ -646,19 +800,54 @@ class KmsgSource:
                                                 errors=self.tally.snapshot()),
                             xids=tuple(events))
 
-    def _open(self, now: float) -> _DeviceFollower | _FileFollower:
-        info = os.stat(self.path)
+    def _open(self, now: float) -> _Follower:
         self._boot_id = read_boot_id(self.host_root)
         parser = XidLineParser(self.tally, boot_time=read_boot_time(self.host_root, now), now=now,
                                boot_id=self._boot_id)
         saved = self._cursor
         same_boot = bool(self._boot_id) and saved.boot_id == self._boot_id
+        try:
+            return self._open_path(parser, saved, same_boot)
+        except OSError as exc:
+            if isinstance(exc, _InputError) or self.kernel_log or exc.errno not in _FALLBACK_ERRNOS:
+                raise
+            return self._open_ring(parser, saved.ring_position() if same_boot else None, exc)
+
+    def _open_ring(self, parser: XidLineParser, saved: RingPosition | None,
+                   refusal: OSError) -> _RingFollower:
+        """The default input could not be opened: read the same ring buffer through klogctl."""
+        kernel_boot_id = self.klog.boot_id()
+        if self._boot_id and kernel_boot_id and kernel_boot_id != self._boot_id:
+            # klogctl reads the running kernel; this host root is another boot (a copy, a demo root).
+            detail = describe_unreadable(self.path, refusal, _is_char_device(self.path))
+            raise _InputError(refusal.errno, f"{detail} (klogctl not tried: it reads this machine's kernel, "
+                                             f"boot id {kernel_boot_id}, and {self.host_root} is boot "
+                                             f"{self._boot_id})")
+        why = describe_device_refusal(self.path, refusal)
+        try:
+            follower = _RingFollower(self.klog, parser, self.tally, saved, why, self.klog_poll_seconds)
+        except OSError as exc:
+            raise _InputError(exc.errno, describe_both_unreadable(why, exc)) from exc
+        self._mode = f"klogctl (syslog(2) READ_ALL), because {why}"
+        if refusal.errno in (errno.EPERM, errno.EACCES):
+            self._mode += (": a container that is not privileged may not open the device; klogctl needs "
+                           "CAP_SYSLOG only")
+        log.info("source=%s event=open mode=klogctl boot_id=%s resume_usec=%s why=%r", SOURCE_NAME,
+                 self._boot_id or "-", saved.usec if saved else None, why)
+        return follower
+
+    def _open_path(self, parser: XidLineParser, saved: KmsgCursor,
+                   same_boot: bool) -> _DeviceFollower | _FileFollower:
+        info = os.stat(self.path)
         handed_over = saved.seq if same_boot else None
         if stat.S_ISCHR(info.st_mode):
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            log.info("source=%s event=open path=%s mode=device boot_id=%s resume_after_seq=%s",
-                     SOURCE_NAME, self.path, self._boot_id or "-", handed_over)
-            return _DeviceFollower(self.path, fd, parser, self.tally, handed_over)
+            log.info("source=%s event=open path=%s mode=device boot_id=%s resume_after_seq=%s "
+                     "resume_usec=%s", SOURCE_NAME, self.path, self._boot_id or "-", handed_over,
+                     saved.usec if same_boot else None)
+            self._mode = f"/dev/kmsg ({self.path})"
+            return _DeviceFollower(self.path, fd, parser, self.tally, handed_over,
+                                   saved.ring_position() if same_boot else RingPosition())
         if not stat.S_ISREG(info.st_mode):
             raise _InputError(errno.EINVAL, f"{self.path} is neither a regular file nor a character "
                                             f"device; pass a kernel-log file or /dev/kmsg")
@@ -675,6 +864,7 @@ class KmsgSource:
         offset = saved.offset if resume else 0
         log.info("source=%s event=open path=%s mode=file boot_id=%s offset=%d resume_after_seq=%s",
                  SOURCE_NAME, self.path, self._boot_id or "-", offset, None if resume else handed_over)
+        self._mode = f"file {self.path}"
         return _FileFollower(self.path, fd, inode, offset, parser, self.tally, last_seq=handed_over,
                              skip_upto=None if resume else handed_over)
 

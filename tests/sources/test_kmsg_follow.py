@@ -16,6 +16,7 @@ import stat
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -75,6 +76,11 @@ def append(path: Path, text: str | bytes) -> None:
 
 def seqs(result) -> list[int]:
     return [e.seq for e in result.xids]
+
+
+def backlogged(result) -> bool:
+    """The detail names the input, plus "backlog: ..." while the per-cycle cap left records unread."""
+    return "; backlog: " in result.health.detail
 
 
 def restart(source: KmsgSource, host: Path, **kw) -> KmsgSource:
@@ -255,10 +261,11 @@ def test_backlog_beyond_max_records_is_carried_to_the_next_call_with_nothing_los
             assert fh.read(source.cursor.offset - before).count(b"\n") <= 200
         seen += seqs(result)
         details.append(result.health.detail)
-        if not result.health.detail:
+        if not backlogged(result):
             break
     assert seen == sorted(xids)
-    assert details[0].startswith("backlog") and details[-1] == ""
+    mode = f"file {log}"
+    assert details[0].startswith(f"{mode}; backlog: 200 records") and details[-1] == mode
     assert len(details) > 10
 
 
@@ -272,7 +279,7 @@ def test_restart_in_the_middle_of_a_backlog_loses_and_repeats_nothing(host):
     for _ in range(20):
         result = source.collect(NOW)
         seen += seqs(result)
-        if not result.health.detail:
+        if not backlogged(result):
             break
     assert seen == sorted(xids)
 
@@ -296,7 +303,7 @@ def test_a_million_line_flood_is_read_in_bounded_steps_with_bounded_memory(host)
     for _ in range(30):
         result = source.collect(NOW)
         total += len(result.xids)
-        if not result.health.detail:
+        if not backlogged(result):
             break
     assert total == 10_000 and source.cursor.seq == 999_999
 
@@ -345,7 +352,7 @@ def test_a_missing_log_is_down_counted_once_retried_and_recovers(host):
     assert second.health.errors == {"unreadable": 1}  # one outage, not one per 0.1 s retry
     (host / "dev" / "kmsg").write_text(boot_log(0, 3, {2: 79}))
     recovered = source.collect(NOW)
-    assert recovered.health.up and recovered.health.detail == ""
+    assert recovered.health.up and recovered.health.detail == f"file {expected_path}"
     assert seqs(recovered) == [2]
     assert recovered.health.errors == {"unreadable": 1}
 
@@ -434,30 +441,53 @@ def test_device_resume_skips_what_this_boot_handed_over_and_a_reboot_reads_the_r
     other.close()
 
 
-def test_permission_denied_on_the_real_dev_kmsg_says_what_is_missing():
-    """Open the real /dev/kmsg as an unprivileged user (a forked child that drops root)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to fork a child that drops to an unprivileged user")
+def run_forked(prepare: Callable[[], None], check: Callable[[], object]) -> object:
+    """``check()``'s JSON-able result, computed in a forked child after ``prepare()`` (which gives up
+    privileges for good; the child never returns into pytest)."""
     codecs.lookup("ascii")  # the child may not be able to load codecs from root's Python install
     reader, writer = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
+    if pid == 0:
         try:
-            os.setgid(65534)
-            os.setuid(65534)
-            result = KmsgSource("/").collect(time.time())
-            os.write(writer, json.dumps([result.health.up, result.health.detail,
-                                         dict(result.health.errors)]).encode())
+            prepare()
+            os.write(writer, json.dumps(check()).encode())
+        except BaseException as exc:  # noqa: BLE001 - handed to the parent, which fails the test
+            os.write(writer, json.dumps({"child_error": repr(exc)}).encode())
         finally:
             os._exit(0)
     os.close(writer)
     os.waitpid(pid, 0)
     with os.fdopen(reader, "rb") as fh:
-        reply = fh.read()
-    up, detail, errors = json.loads(reply)
+        reply = json.loads(fh.read())
+    assert not (isinstance(reply, dict) and "child_error" in reply), reply
+    return reply
+
+
+def run_unprivileged(check: Callable[[], object]) -> object:
+    """``check()``'s result as uid/gid 65534: in a forked child when this is root, else right here."""
+    if os.geteuid() != 0:
+        return json.loads(json.dumps(check()))
+
+    def drop_root() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    return run_forked(drop_root, check)
+
+
+def test_permission_denied_on_the_real_dev_kmsg_says_what_is_missing():
+    """An unprivileged user on this machine: the real /dev/kmsg and the real klogctl both refuse
+    (EPERM) where kernel.dmesg_restrict=1. Host root "/" is this kernel, so klogctl is tried."""
+    def check():
+        result = KmsgSource("/").collect(time.time())
+        return [result.health.up, result.health.detail, dict(result.health.errors)]
+
+    up, detail, errors = run_unprivileged(check)
     if up:
-        pytest.skip("an unprivileged user may read /dev/kmsg here (kernel.dmesg_restrict=0)")
-    assert detail.startswith("permission denied reading /dev/kmsg")
+        pytest.skip("an unprivileged user may read the kernel log here (kernel.dmesg_restrict=0)")
+    assert detail.startswith("permission denied reading /dev/kmsg (Operation not permitted), and klogctl "
+                             "(syslog(2) READ_ALL) was refused too (Operation not permitted): reading the "
+                             "kernel log needs CAP_SYSLOG")
     assert "CAP_SYSLOG" in detail and "privileged" in detail
     assert errors == {"unreadable": 1}
 
@@ -476,7 +506,9 @@ def test_device_reader_keeps_record_boundaries_skips_handed_over_records_and_cou
         assert follower.read(50, events) is False  # caught up (EAGAIN)
         assert [(e.seq, e.xid, e.boot_id) for e in events] == [(104, 94, BOOT_A)]
         assert tally.snapshot() == {"overrun": 3}  # 101..103 were overwritten before we read them
-        assert follower.cursor(BOOT_A) == KmsgCursor(boot_id=BOOT_A, seq=105, path="/dev/kmsg")
+        # usec/same: the last record's stamp, so a restart that reads through klogctl resumes there.
+        assert follower.cursor(BOOT_A) == KmsgCursor(boot_id=BOOT_A, seq=105, path="/dev/kmsg", usec=105_000,
+                                                     same=1)
         for seq in range(106, 110):
             kernel.send(record(seq, xid_text(48), priority=4).encode())
         events = []
@@ -485,6 +517,28 @@ def test_device_reader_keeps_record_boundaries_skips_handed_over_records_and_cou
         events = []
         assert follower.read(50, events) is False
         assert [e.seq for e in events] == [108, 109]
+    finally:
+        follower.close()
+        ours.close()
+        kernel.close()
+
+
+def test_device_reader_resuming_after_an_sxid_headline_does_not_count_its_detail_lines_again():
+    """The headline was handed over before the restart; its Severity/Data records follow it."""
+    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    tally = ErrorTally("kmsg")
+    follower = _DeviceFollower("/dev/kmsg", os.dup(ours.fileno()),
+                               XidLineParser(tally, boot_time=BTIME, now=NOW), tally, resume_after=7)
+    sxid = "nvidia-nvswitch1: SXid (PCI:0000:05:00.0): 22013, "
+    try:
+        for seq, text in [(7, sxid + "Non-fatal, Link 02"), (8, sxid + "Severity 0 Engine instance 02"),
+                          (9, sxid + "Data {0x00000002}"), (10, xid_text(94))]:
+            kernel.send(record(seq, text, priority=4).encode())
+        events: list = []
+        follower.read(50, events)
+        assert [(e.seq, e.xid) for e in events] == [(10, 94)]
+        assert tally.snapshot() == {}
     finally:
         follower.close()
         ours.close()
@@ -510,7 +564,7 @@ def test_random_bytes_never_raise_from_collect(chunks, max_records):
             result = source.collect(NOW)
             assert result.health.up
             assert all(e.kind in ("xid", "sxid", "fallen_off_bus") for e in result.xids)
-            if not result.health.detail:
+            if not backlogged(result):
                 break
-        assert result.health.detail == ""
+        assert not backlogged(result) and result.health.detail.startswith("file ")
         source.close()

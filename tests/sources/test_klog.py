@@ -1,0 +1,692 @@
+"""The kernel-log source without /dev/kmsg: the ring buffer through syslog(2) (klogctl).
+
+The source is driven through its injectable ``klogctl``: ``FakeKernel`` below stands behind glibc's
+calling convention and hands back buffers in READ_ALL's real format (the fixtures
+``tests/fixtures/kmsg/klogctl-*.txt``). Where the kernel itself can refuse (a mode-000 file opened
+by an unprivileged user, this machine's real ``klogctl``), the tests use the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from healthagent.sources.base import ErrorTally
+from healthagent.sources.kmsg import (
+    KmsgCursor,
+    KmsgSource,
+    XidLineParser,
+    _DeviceFollower,
+    describe_both_unreadable,
+    iter_events,
+)
+from healthagent.sources.klog import (
+    READ_BUFFER_FACTOR,
+    SYSLOG_ACTION_READ_ALL,
+    SYSLOG_ACTION_SIZE_BUFFER,
+    KernelLog,
+    RingPosition,
+    line_usec,
+)
+from tests.sources.test_kmsg_follow import (
+    BOOT_A,
+    BOOT_B,
+    BTIME,
+    NOW,
+    make_host,
+    record,
+    run_forked,
+    run_unprivileged,
+    xid_text,
+)
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kmsg"
+EXPECTED = json.loads((FIXTURES / "expected-events.json").read_text())
+READ_ALL_FIXTURE = "klogctl-read-all.txt"
+NO_TIME_FIXTURE = "klogctl-notime.txt"
+ONLY_READ_ACTIONS = {SYSLOG_ACTION_SIZE_BUFFER, SYSLOG_ACTION_READ_ALL}
+FIXTURE_LINES = (FIXTURES / READ_ALL_FIXTURE).read_text().splitlines(keepends=True)
+
+
+class FakeKernel:
+    """A kernel's printk ring buffer behind glibc's ``klogctl(type, bufp, len)``.
+
+    A fake, because this machine's real ring cannot be made to hold chosen lines, wrap or refuse on
+    demand (the real one is exercised at the end of this file). It honours what the source relies
+    on: action 10 returns the buffer size; action 3 copies the newest whole lines that fit ``len``
+    into ``bufp``, consumes nothing and returns their length; a refusal returns -1 with errno set,
+    as the C library does. Every other action fails with EINVAL and every action is recorded, so a
+    test can show that nothing destructive is ever asked for. Left out: the kernel's formatting
+    (lines are given as READ_ALL prints them), its space accounting (counted here in formatted
+    bytes; the oldest whole lines are dropped when full, as the kernel drops its oldest records),
+    and the CAP_SYSLOG check itself (a test sets ``refuse``).
+    """
+
+    def __init__(self, text: str | bytes = b"", capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self.lines: list[bytes] = []
+        self.actions: list[int] = []
+        self.lengths: list[int] = []  # the len argument of each call
+        self.refuse: int | None = None
+        self.log(text)
+
+    def log(self, text: str | bytes) -> None:
+        data = text.encode() if isinstance(text, str) else text
+        self.lines.extend(data.splitlines(keepends=True))
+        while sum(map(len, self.lines)) > self.capacity:
+            self.lines.pop(0)
+
+    def clear(self) -> None:
+        """What ``dmesg -C`` (SYSLOG_ACTION_CLEAR by someone else) does to READ_ALL's view."""
+        self.lines.clear()
+
+    def __call__(self, action: int, buffer, length: int) -> int:
+        self.actions.append(action)
+        self.lengths.append(length)
+        if self.refuse:
+            ctypes.set_errno(self.refuse)
+            return -1
+        if action == SYSLOG_ACTION_SIZE_BUFFER:
+            return self.capacity
+        if action != SYSLOG_ACTION_READ_ALL:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        newest: list[bytes] = []
+        size = 0
+        for line in reversed(self.lines):
+            if size + len(line) > length:
+                break
+            newest.append(line)
+            size += len(line)
+        data = b"".join(reversed(newest))
+        ctypes.memmove(buffer, data, len(data))
+        return len(data)
+
+
+def line(usec: int, text: str, priority: int = 4) -> str:
+    """One line as READ_ALL prints it with printk.time on."""
+    return f"<{priority}>[{usec // 1_000_000:5d}.{usec % 1_000_000:06d}] {text}\n"
+
+
+def xid_line(usec: int, xid: int, pid: int = 4242, bus: str = "a8") -> str:
+    return line(usec, f"NVRM: Xid (PCI:0000:{bus}:00): {xid}, pid={pid}, name=python, Contained: SM (0x1).")
+
+
+def noise(usec: int) -> str:
+    return line(usec, f"pci 0000:{usec % 256:02x}:00.0: enabling device (0000 -> 0002)", priority=6)
+
+
+def source_for(host: Path, kernel: FakeKernel, boot_id: str = BOOT_A, **kw) -> KmsgSource:
+    """A source on ``kernel``; it reads the ring on every collect (tests pass one ``now``)."""
+    kw.setdefault("klog_poll_seconds", 0)
+    return KmsgSource(str(host), klog=KernelLog(klogctl=kernel, boot_id=boot_id), **kw)
+
+
+def restart(source: KmsgSource, host: Path, kernel: FakeKernel, **kw) -> KmsgSource:
+    """What the agent does across a restart: the cursor goes through JSON into a new source."""
+    saved = json.loads(json.dumps(source.cursor.to_dict()))
+    source.close()
+    return source_for(host, kernel, cursor=KmsgCursor.from_dict(saved), **kw)
+
+
+def drain(source: KmsgSource, bound: int = 100) -> list:
+    """Collect until no backlog is left; every result's events, in order."""
+    events = []
+    for _ in range(bound):
+        result = source.collect(NOW)
+        assert result.health.up, result.health.detail
+        events += result.xids
+        if "; backlog: " not in result.health.detail:
+            return events
+    raise AssertionError(f"still backlogged after {bound} collects")
+
+
+def keys(events) -> list[tuple]:
+    return [(e.kind, e.xid, e.pci_bus_id, e.pid, round(e.timestamp, 6)) for e in events]
+
+
+def expected_keys(name: str) -> list[tuple]:
+    def stamp(want: dict) -> float:
+        return round(BTIME + want["since_boot"], 6) if "since_boot" in want else NOW
+    return [(w["kind"], w["xid"], w["pci_bus_id"], w.get("pid"), stamp(w)) for w in EXPECTED[name]["events"]]
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    """A host root whose dev/kmsg is not there (not mounted into the pod): klogctl is the input."""
+    return make_host(tmp_path / "host", kmsg_text=None)
+
+
+# -- reading a ring ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, errors", [(READ_ALL_FIXTURE, {}), (NO_TIME_FIXTURE, {"untimestamped": 1})])
+def test_a_real_format_ring_yields_the_fixture_events_through_the_one_parser(host, name, errors):
+    text = (FIXTURES / name).read_text()
+    kernel = FakeKernel(text)
+    source = source_for(host, kernel)
+    result = source.collect(NOW)
+    assert result.health.up
+    assert result.health.detail == (f"klogctl (syslog(2) READ_ALL), because {host}/dev/kmsg not found")
+    assert keys(result.xids) == expected_keys(name)
+    # The same text through `healthagent classify`'s reader gives the same events: one parser.
+    assert keys(result.xids) == keys(iter_events(text.splitlines(keepends=True), NOW, host_root=str(host)))
+    assert result.health.errors == errors
+    assert set(kernel.actions) == ONLY_READ_ACTIONS  # never READ (2) or a clear (4, 5)
+    assert source.collect(NOW).xids == ()
+
+
+def digest(text: str) -> str:
+    """The cursor's digest of a line (without its newline)."""
+    return hashlib.blake2b(text.rstrip("\n").encode(), digest_size=8).hexdigest()
+
+
+def test_the_cursor_is_the_last_lines_stamp_how_many_lines_carried_it_and_its_digest(host):
+    kernel = FakeKernel((FIXTURES / READ_ALL_FIXTURE).read_text())
+    source = source_for(host, kernel)
+    source.collect(NOW)
+    assert source.cursor == KmsgCursor(boot_id=BOOT_A, usec=7_100_000_000, same=1,
+                                       tail=(digest(FIXTURE_LINES[-1]),))
+    kernel.log(xid_line(7_100_000_000, 31) + xid_line(7_100_000_000, 43))
+    assert [e.xid for e in source.collect(NOW).xids] == [31, 43]
+    assert source.cursor == KmsgCursor(boot_id=BOOT_A, usec=7_100_000_000, same=3,
+                                       tail=(digest(xid_line(7_100_000_000, 43)),))
+
+
+def test_growth_between_polls_returns_each_new_line_once(host):
+    kernel = FakeKernel((FIXTURES / READ_ALL_FIXTURE).read_text())
+    source = source_for(host, kernel)
+    assert len(source.collect(NOW).xids) == 11
+    for step, xid in enumerate((13, 31, 94, 94, 79)):
+        usec = 8_000_000_000 + step * 1000
+        kernel.log(noise(usec) + xid_line(usec + 1, xid, pid=step))
+        assert [(e.xid, e.pid) for e in source.collect(NOW).xids] == [(xid, step)]
+        assert source.collect(NOW).xids == ()
+    assert source.cursor.usec == 8_000_004_001
+
+
+def test_polls_decode_and_parse_only_what_is_new(host):
+    """Old lines are never decoded or parsed again: their errors are counted once, not per poll."""
+    kernel = FakeKernel(line(1_000, "bad bytes \xff", 6).encode("latin-1")
+                        + line(2_000, "NVRM: Xid (PCI:0000:a8:00): x").encode())
+    source = source_for(host, kernel)
+    assert source.collect(NOW).health.errors == {"decode": 1, "parse": 1}
+    for step in range(50):
+        kernel.log(noise(10_000 + step))
+        assert source.collect(NOW).xids == ()
+    kernel.log(xid_line(20_000, 48))
+    result = source.collect(NOW)
+    assert [e.xid for e in result.xids] == [48]
+    assert result.health.errors == {"decode": 1, "parse": 1}
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 7, 50])
+def test_work_per_collect_is_bounded_and_nothing_is_lost(host, budget):
+    kernel = FakeKernel("".join(xid_line(1_000 * i, 13, pid=i) for i in range(40)))
+    source = source_for(host, kernel, max_records_per_cycle=budget)
+    pids: list[int] = []
+    for _ in range(100):
+        result = source.collect(NOW)
+        assert len(result.xids) <= budget
+        pids += [e.pid for e in result.xids]
+        backlogged = "; backlog: " in result.health.detail
+        assert backlogged == (len(pids) < 40)
+        if not backlogged:
+            break
+    assert pids == list(range(40))
+
+
+def test_the_ring_is_read_at_most_once_per_interval_of_the_loops_clock_unless_backlogged(host):
+    kernel = FakeKernel("".join(xid_line(1_000 * i, 13, pid=i) for i in range(5)))
+    source = source_for(host, kernel, klog_poll_seconds=1.0, max_records_per_cycle=2)
+
+    def reads() -> int:
+        return kernel.actions.count(SYSLOG_ACTION_READ_ALL)
+
+    pids = [e.pid for e in source.collect(NOW).xids]
+    pids += [e.pid for e in source.collect(NOW + 0.1).xids]  # backlogged: read at once
+    pids += [e.pid for e in source.collect(NOW + 0.2).xids]
+    assert pids == [0, 1, 2, 3, 4] and reads() == 3
+    kernel.log(xid_line(9_000, 94, pid=9))
+    assert source.collect(NOW + 0.3).xids == () and source.collect(NOW + 1.1).xids == ()
+    assert reads() == 3  # not yet an interval after the read at NOW + 0.2
+    assert [e.pid for e in source.collect(NOW + 1.25).xids] == [9] and reads() == 4
+    kernel.log(xid_line(9_500, 31, pid=10))
+    assert [e.pid for e in source.collect(NOW - 60).xids] == [10]  # the clock went back: read
+
+
+# -- wraps, restarts, reboots ------------------------------------------------------------------
+
+def test_a_ring_that_wrapped_past_the_cursor_counts_overrun_and_finds_the_new_xids(host):
+    kernel = FakeKernel("".join(noise(i) for i in range(20)), capacity=4096)
+    source = source_for(host, kernel)
+    assert source.collect(NOW).xids == ()
+    # More than the ring holds is logged before the next poll: the cursor's line is overwritten.
+    flood = [xid_line(1_000 + i, 94 if i % 10 == 0 else 13, pid=i) for i in range(120)]
+    kernel.log("".join(flood))
+    surviving = [int(re.search(rb"pid=(\d+)", raw).group(1)) for raw in kernel.lines]
+    assert 0 < len(surviving) < 120 and surviving[-1] == 119
+    result = source.collect(NOW)
+    assert [e.pid for e in result.xids] == surviving
+    assert result.health.errors == {"overrun": 1}
+    kernel.log(xid_line(5_000, 64, pid=500))
+    after = source.collect(NOW)
+    assert [e.pid for e in after.xids] == [500] and after.health.errors == {"overrun": 1}
+
+
+def test_a_ring_cleared_by_someone_else_loses_nothing_that_follows(host):
+    kernel = FakeKernel(xid_line(1_000, 13, pid=1))
+    source = source_for(host, kernel)
+    assert [e.pid for e in source.collect(NOW).xids] == [1]
+    kernel.clear()
+    assert source.collect(NOW).xids == ()
+    kernel.log(xid_line(2_000, 94, pid=2))
+    result = source.collect(NOW)
+    assert [e.pid for e in result.xids] == [2]
+    assert result.health.errors == {"overrun": 1}  # what was logged and cleared between polls is unknown
+
+
+
+@pytest.mark.parametrize("cut", range(1, len(FIXTURE_LINES) + 1))
+def test_a_restart_after_any_line_neither_repeats_nor_skips(host, cut):
+    """Every cut point of the fixture, same-stamp groups (three lines at 1843.308145, two XIDs at
+    5123.456789 and at 7000.000000) included; lines logged while the agent was down follow."""
+    kernel = FakeKernel("".join(FIXTURE_LINES))
+    first = source_for(host, kernel, max_records_per_cycle=cut)
+    before = list(first.collect(NOW).xids)
+    assert first.cursor.usec == line_usec(FIXTURE_LINES[cut - 1].encode(), 0)
+    kernel.log(xid_line(7_200_000_000, 48) + xid_line(7_200_000_000, 31))
+    second = restart(first, host, kernel)
+    after = drain(second)
+    assert keys(before + after) == expected_keys(READ_ALL_FIXTURE) + [
+        ("xid", 48, "0000:a8:00.0", 4242, round(BTIME + 7200, 6)),
+        ("xid", 31, "0000:a8:00.0", 4242, round(BTIME + 7200, 6))]
+    assert second.tally.snapshot() == {}  # the ring held the cursor: nothing was lost
+
+
+def test_a_restart_whose_cursor_was_overwritten_counts_overrun_and_reads_the_ring(host):
+    kernel = FakeKernel("".join(xid_line(1_000 + i, 13, pid=i) for i in range(5)))
+    first = source_for(host, kernel)
+    first.collect(NOW)
+    kernel.clear()  # as if the ring had wrapped while the agent was down
+    kernel.log("".join(xid_line(9_000 + i, 94, pid=100 + i) for i in range(3)))
+    second = restart(first, host, kernel)
+    result = second.collect(NOW)
+    assert [e.pid for e in result.xids] == [100, 101, 102]
+    assert result.health.errors == {"overrun": 1}
+
+
+def test_a_new_boot_reads_the_whole_ring(host):
+    """Another boot's cursor means nothing: XIDs from driver initialisation are reported."""
+    kernel = FakeKernel((FIXTURES / READ_ALL_FIXTURE).read_text())
+    stale = KmsgCursor(boot_id=BOOT_B, usec=10**12, same=5)
+    source = source_for(host, kernel, cursor=stale)
+    assert keys(source.collect(NOW).xids) == expected_keys(READ_ALL_FIXTURE)
+    assert source.cursor.boot_id == BOOT_A and source.tally.snapshot() == {}
+
+
+def test_a_cursor_of_the_same_boot_past_every_line_reads_nothing(host):
+    kernel = FakeKernel((FIXTURES / READ_ALL_FIXTURE).read_text())
+    source = source_for(host, kernel, cursor=KmsgCursor(boot_id=BOOT_A, usec=10**12, same=1))
+    assert source.collect(NOW).xids == ()
+    kernel.log(xid_line(10**12 + 1, 79))
+    assert [e.xid for e in source.collect(NOW).xids] == [79]
+
+
+# -- printk.time off ---------------------------------------------------------------------------
+
+def test_without_timestamps_lines_are_told_apart_by_the_content_of_the_tail(host):
+    kernel = FakeKernel((FIXTURES / NO_TIME_FIXTURE).read_text())
+    source = source_for(host, kernel)
+    assert [e.xid for e in source.collect(NOW).xids] == [94, 22013, 48]
+    repeat = "<4>NVRM: Xid (PCI:0000:53:00): 48, pid='<unknown>', name=<unknown>, DBE\n"
+    kernel.log(repeat)
+    kernel.log(repeat)  # the same text twice: two reports, both new
+    assert [e.xid for e in source.collect(NOW).xids] == [48, 48]
+    assert source.collect(NOW).xids == ()
+    cursor = source.cursor
+    assert cursor.usec is None and len(cursor.tail) == 8 and cursor.boot_id == BOOT_A
+    kernel.log(repeat)  # logged while the agent restarts
+    second = restart(source, host, kernel)
+    result = second.collect(NOW)
+    assert [e.xid for e in result.xids] == [48]
+    assert result.health.errors == {"untimestamped": 1}
+    assert result.xids[0].timestamp == NOW  # no stamp in the line: stamped when read
+
+
+def test_without_timestamps_a_wrap_past_the_tail_counts_overrun(host):
+    kernel = FakeKernel("".join(f"<6>noise {i}\n" for i in range(10)), capacity=400)
+    source = source_for(host, kernel)
+    source.collect(NOW)
+    kernel.log("".join(f"<4>NVRM: Xid (PCI:0000:a8:00): 13, pid={i}, name=p, x\n" for i in range(30)))
+    result = source.collect(NOW)
+    assert [e.pid for e in result.xids] == [int(re.search(rb"pid=(\d+)", raw).group(1)) for raw in kernel.lines]
+    assert result.health.errors == {"untimestamped": 1, "overrun": 1}
+
+
+# -- switching between /dev/kmsg and klogctl across restarts -----------------------------------
+
+def test_records_handed_over_from_dev_kmsg_are_not_repeated_through_klogctl(host):
+    """The agent ran privileged (device reader), restarts without privilege (klogctl reader)."""
+    ours, kernel_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    tally = ErrorTally("kmsg")
+    device = _DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), XidLineParser(tally, boot_time=BTIME, now=NOW),
+                             tally, resume_after=None)
+    texts = {seq: xid_text(13 if seq % 2 else 94) for seq in range(1, 6)}
+    try:
+        for seq in range(1, 4):  # records 1..3 reach the device reader (two share a stamp)
+            kernel_side.send(record(seq, texts[seq], usec=5_000 if seq > 1 else 1_000, priority=4).encode())
+        handed: list = []
+        device.read(50, handed)
+        cursor = device.cursor(BOOT_A)
+    finally:
+        device.close()
+        ours.close()
+        kernel_side.close()
+    assert (cursor.usec, cursor.same, [e.seq for e in handed]) == (5_000, 2, [1, 2, 3])
+    # The same ring, as READ_ALL prints it, plus two records logged after the restart.
+    ring = FakeKernel(line(1_000, texts[1]) + line(5_000, texts[2]) + line(5_000, texts[3])
+                      + line(5_000, texts[4]) + line(9_000, texts[5]))
+    source = source_for(host, ring, cursor=KmsgCursor.from_dict(json.loads(json.dumps(cursor.to_dict()))))
+    assert [e.xid for e in source.collect(NOW).xids] == [94, 13]  # records 4 and 5 only
+
+
+@pytest.mark.parametrize("same, new", [(2, [4, 5, 6]), (3, [5, 6])])
+def test_records_handed_over_through_klogctl_are_not_repeated_by_the_device_reader(same, new):
+    """The other way: klogctl's cursor (no sequence number) resumes a /dev/kmsg reader. Record 5 is
+    stamped by another CPU's clock a microsecond before the cursor but logged after it: new."""
+    ours, kernel_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    tally = ErrorTally("kmsg")
+    device = _DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), XidLineParser(tally, boot_time=BTIME, now=NOW),
+                             tally, resume_after=None, saved=RingPosition(usec=5_000, same=same))
+    try:
+        stamps = {1: 1_000, 2: 5_000, 3: 5_000, 4: 5_000, 5: 4_999, 6: 9_000}
+        for seq, usec in stamps.items():
+            kernel_side.send(record(seq, xid_text(94), usec=usec, priority=4).encode())
+        events: list = []
+        device.read(50, events)
+    finally:
+        device.close()
+        ours.close()
+        kernel_side.close()
+    assert [e.seq for e in events] == new
+    assert device.cursor(BOOT_A) == KmsgCursor(boot_id=BOOT_A, seq=6, path="/dev/kmsg", usec=9_000, same=1)
+
+
+# -- privileges --------------------------------------------------------------------------------
+
+def test_refused_everywhere_says_what_is_missing_is_counted_once_and_recovers(host):
+    kernel = FakeKernel(xid_line(1_000, 94))
+    kernel.refuse = errno.EPERM
+    source = source_for(host, kernel)
+    results = [source.collect(NOW) for _ in range(3)]
+    for result in results:
+        assert not result.health.up and result.xids == ()
+        assert result.health.detail == (
+            f"{host}/dev/kmsg not found, and klogctl (syslog(2) READ_ALL) was refused too (Operation not "
+            f"permitted): reading the kernel log needs CAP_SYSLOG (kernel.dmesg_restrict=1); add it to the "
+            f"container (capabilities add SYSLOG, as uid 0, with a seccomp profile that allows syslog, as "
+            f"RuntimeDefault does then), which is enough for klogctl, or run the container privileged to "
+            f"open /dev/kmsg")
+    assert results[-1].health.errors == {"unreadable": 1}  # one outage, not one per retry
+    kernel.refuse = None  # CAP_SYSLOG granted
+    recovered = source.collect(NOW)
+    assert recovered.health.up and [e.xid for e in recovered.xids] == [94]
+    assert recovered.health.errors == {"unreadable": 1}
+    assert recovered.health.detail.startswith("klogctl")
+
+
+def test_klogctl_failing_while_followed_is_reported_and_the_next_open_resumes(host):
+    kernel = FakeKernel(xid_line(1_000, 13, pid=1))
+    source = source_for(host, kernel)
+    assert [e.pid for e in source.collect(NOW).xids] == [1]
+    kernel.refuse = errno.EPERM
+    down = source.collect(NOW)
+    assert not down.health.up and "was refused too (Operation not permitted)" in down.health.detail
+    kernel.refuse = None
+    kernel.log(xid_line(2_000, 94, pid=2))
+    assert [e.pid for e in source.collect(NOW).xids] == [2]  # resumed from the cursor, no repeat
+
+
+@pytest.mark.parametrize("code, expected", [
+    (errno.EPERM, "P not found, and klogctl (syslog(2) READ_ALL) was refused too (Operation not permitted): "
+                  "reading the kernel log needs CAP_SYSLOG"),
+    (errno.EACCES, "P not found, and klogctl (syslog(2) READ_ALL) was refused too (Permission denied): "
+                   "reading the kernel log needs CAP_SYSLOG"),
+    (errno.ENOSYS, "P not found, and klogctl (syslog(2) READ_ALL) failed too (Function not implemented); "
+                   "run the container privileged to open /dev/kmsg, or pass --kernel-log FILE"),
+])
+def test_both_unreadable_details(code, expected):
+    assert describe_both_unreadable("P not found", OSError(code, os.strerror(code))).startswith(expected)
+
+
+def test_a_host_root_of_another_boot_is_never_read_through_this_kernel(host):
+    """klogctl reads the running kernel: a copied or demo host root must not get its lines."""
+    kernel = FakeKernel(xid_line(1_000, 94))
+    source = source_for(host, kernel, boot_id=BOOT_B)
+    result = source.collect(NOW)
+    assert not result.health.up and result.xids == ()
+    assert result.health.detail == (
+        f"{host}/dev/kmsg not found (mount the host's /dev/kmsg into the pod, or pass --kernel-log FILE) "
+        f"(klogctl not tried: it reads this machine's kernel, boot id {BOOT_B}, and {host} is boot {BOOT_A})")
+    assert kernel.actions == []
+
+
+def test_a_kernel_log_file_never_falls_back(tmp_path, host):
+    kernel = FakeKernel(xid_line(1_000, 94))
+    result = source_for(host, kernel, kernel_log=str(tmp_path / "missing.log")).collect(NOW)
+    assert not result.health.up and result.health.detail == f"{tmp_path}/missing.log not found"
+    assert kernel.actions == []
+
+
+def _world_readable_host(boot_id: str) -> Path:
+    """A host root an unprivileged user can walk (pytest's tmp dirs are private to root)."""
+    root = Path(tempfile.mkdtemp(prefix="healthagent-klog-"))
+    root.chmod(0o755)
+    host = make_host(root / "host", boot_id=boot_id, kmsg_text=None)
+    for folder in (host, *(p for p in host.rglob("*") if p.is_dir())):
+        folder.chmod(0o755)
+    return host
+
+
+def test_klogctl_is_taken_when_the_kernel_refuses_to_open_dev_kmsg():
+    """dev/kmsg is a file of mode 000, opened by an unprivileged user: the kernel answers EACCES,
+    as a device cgroup answers EPERM for the real device (which this machine has no cgroup to show)."""
+    host = _world_readable_host(BOOT_A)
+    kmsg = host / "dev" / "kmsg"
+    kmsg.write_text(record(1, xid_text(13), priority=4))  # must not be read: the kernel refuses it
+    kmsg.chmod(0)
+    ring = FakeKernel((FIXTURES / READ_ALL_FIXTURE).read_text())
+
+    def check():
+        try:
+            os.close(os.open(kmsg, os.O_RDONLY))
+            return {"opened": True}
+        except PermissionError:
+            pass
+        result = source_for(host, ring).collect(NOW)
+        return {"up": result.health.up, "detail": result.health.detail, "keys": keys(result.xids),
+                "errors": dict(result.health.errors)}
+
+    reply = run_unprivileged(check)
+    if reply.get("opened"):
+        pytest.skip("this user can open a mode-000 file (CAP_DAC_OVERRIDE without root?)")
+    assert reply["up"] and reply["errors"] == {}
+    assert reply["detail"] == (f"klogctl (syslog(2) READ_ALL), because permission denied reading {kmsg} "
+                               f"(Permission denied): a container that is not privileged may not open the "
+                               f"device; klogctl needs CAP_SYSLOG only")
+    assert [tuple(k) for k in reply["keys"]] == expected_keys(READ_ALL_FIXTURE)
+
+
+# -- the C library wrapper ---------------------------------------------------------------------
+
+def test_kernel_log_sizes_its_buffer_from_size_buffer_and_reads_with_read_all_only():
+    kernel = FakeKernel(xid_line(1_000, 94), capacity=3000)
+    reader = KernelLog(klogctl=kernel, boot_id=BOOT_A)
+    assert reader.open() == 3000
+    assert reader.read_all() == xid_line(1_000, 94).encode()
+    assert kernel.actions == [SYSLOG_ACTION_SIZE_BUFFER, SYSLOG_ACTION_READ_ALL]
+    assert reader.boot_id() == BOOT_A
+    # READ_ALL's text (a prefix on every line) can be longer than the records SIZE_BUFFER measures.
+    assert kernel.lengths == [0, 3000 * READ_BUFFER_FACTOR]
+    reader.close()
+    assert reader.read_all() == xid_line(1_000, 94).encode()  # reopens: sizes the buffer again
+    assert kernel.actions[2:] == [SYSLOG_ACTION_SIZE_BUFFER, SYSLOG_ACTION_READ_ALL]
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EACCES, errno.ENOSYS])
+def test_kernel_log_turns_minus_one_and_errno_into_oserror(code):
+    kernel = FakeKernel()
+    kernel.refuse = code
+    with pytest.raises(OSError) as raised:
+        KernelLog(klogctl=kernel).read_all()
+    assert (raised.value.errno, raised.value.strerror) == (code, os.strerror(code))
+
+
+def _real_ring_or_skip() -> bytes:
+    try:
+        return KernelLog().read_all()
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            pytest.skip(f"this machine refuses klogctl READ_ALL ({exc.strerror}): no CAP_SYSLOG here")
+        raise
+
+
+CAP_SYSLOG = 34
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _keep_only_capabilities(mask: int) -> None:
+    """capset(2): effective and permitted become ``mask`` (uid stays 0). Dropping needs no privilege."""
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    halves = (Data * 2)(Data(mask & 0xFFFFFFFF, mask & 0xFFFFFFFF, 0), Data(mask >> 32, mask >> 32, 0))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.capset(ctypes.byref(Header(_LINUX_CAPABILITY_VERSION_3, 0)), halves) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def test_the_real_kernel_lets_klogctl_through_with_cap_syslog_alone():
+    """uid 0 with every capability dropped but CAP_SYSLOG (the DaemonSet's set) reads the ring through
+    klogctl; with CAP_SYSLOG dropped too, the kernel refuses it (kernel.dmesg_restrict=1)."""
+    _real_ring_or_skip()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to a chosen capability set in a child")
+    if Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() != "1":
+        pytest.skip("kernel.dmesg_restrict=0 here: klogctl needs no capability at all")
+
+    def attempt() -> str:
+        try:
+            return f"read {len(KernelLog(boot_id='').read_all())} bytes"
+        except OSError as exc:
+            return errno.errorcode[exc.errno]
+
+    def check() -> list[str]:
+        with_syslog = attempt()
+        _keep_only_capabilities(0)
+        return [with_syslog, attempt()]
+
+    with_syslog, without = run_forked(lambda: _keep_only_capabilities(1 << CAP_SYSLOG), check)
+    assert with_syslog.startswith("read ") and with_syslog != "read 0 bytes"
+    assert without == "EPERM"
+
+
+def test_the_real_klogctl_returns_read_all_lines():
+    data = _real_ring_or_skip()
+    assert data.endswith(b"\n")
+    lines = data.split(b"\n")[:-1]
+    assert lines and all(re.match(rb"<\d{1,3}>", raw) for raw in lines)
+    stamps = [line_usec(raw, 0) for raw in lines]
+    assert all(s is not None for s in stamps) or all(s is None for s in stamps)  # printk.time is global
+
+
+def test_the_real_klogctl_through_the_source_parses_without_error_and_resumes(tmp_path):
+    """This machine's ring through the source: a host root of this boot without dev/kmsg."""
+    _real_ring_or_skip()
+    real_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    host = make_host(tmp_path / "host", boot_id=real_boot_id, kmsg_text=None)
+    first = KmsgSource(str(host))
+    result = first.collect(time.time())
+    assert result.health.up, result.health.detail
+    assert result.health.detail.startswith(f"klogctl (syslog(2) READ_ALL), because {host}/dev/kmsg not found")
+    assert not {"parse", "decode", "unreadable", "overrun"} & set(result.health.errors)
+    cursor = first.cursor
+    assert cursor.boot_id == real_boot_id and (cursor.usec is not None or cursor.tail)
+    second = KmsgSource(str(host), cursor=KmsgCursor.from_dict(json.loads(json.dumps(cursor.to_dict()))))
+    again = second.collect(time.time())
+    assert again.health.up and not {"parse", "decode", "unreadable"} & set(again.health.errors)
+    if cursor.usec is not None:
+        newest = KernelLog().read_all()
+        assert cursor.usec <= second.cursor.usec <= line_usec(newest, newest.rfind(b"\n", 0, -1) + 1)
+        assert not {e.line for e in result.xids} & {e.line for e in again.xids}  # nothing twice
+    first.close()
+    second.close()
+
+
+# -- never a repeat, never a skip --------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["log", "collect", "restart", "clear"]),
+                                st.integers(min_value=1, max_value=30),
+                                st.integers(min_value=0, max_value=2)), max_size=30),
+       budget=st.integers(min_value=1, max_value=10),
+       timestamps=st.booleans(),
+       capacity=st.integers(min_value=300, max_value=1 << 16))
+def test_no_line_is_handed_over_twice_none_the_ring_still_holds_is_skipped_and_losses_are_counted(
+        steps, budget, timestamps, capacity):
+    """Lines are logged (stamps that repeat or advance, or none), collected with a small budget; the
+    agent restarts, someone clears the ring, small rings wrap. Whatever happens: no line comes out
+    twice or out of order, every line still in the ring comes out, and a line that never came out
+    although it was logged after a read is counted as ``overrun``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        host = make_host(Path(tmp), kmsg_text=None)
+        kernel = FakeKernel(capacity=capacity)
+        source = source_for(host, kernel, max_records_per_cycle=budget)
+        logged = 0
+        usec = 1_000
+        seen: list[int] = []
+        read_once_at: int | None = None  # lines logged from here on were logged after a read
+        overruns = 0
+        for action, count, advance in steps:
+            if action == "log":
+                for _ in range(count):
+                    usec += advance
+                    text = f"NVRM: Xid (PCI:0000:a8:00): 13, pid={logged}, name=p, x"
+                    kernel.log(line(usec, text) if timestamps else f"<4>{text}\n")
+                    logged += 1
+            elif action == "collect":
+                seen += [e.pid for e in source.collect(NOW).xids]
+                if read_once_at is None and seen:
+                    read_once_at = logged
+            elif action == "clear":
+                kernel.clear()
+            else:
+                overruns += source.tally.snapshot().get("overrun", 0)
+                source = restart(source, host, kernel, max_records_per_cycle=budget)
+        seen += [e.pid for e in drain(source, bound=500)]
+        overruns += source.tally.snapshot().get("overrun", 0)
+        assert seen == sorted(set(seen))
+        assert {int(re.search(rb"pid=(\d+)", raw).group(1)) for raw in kernel.lines} <= set(seen)
+        lost = [pid for pid in range(read_once_at or logged, logged) if pid not in seen]
+        cleared = any(action == "clear" for action, _, _ in steps)
+        assert overruns > 0 or not lost or cleared, lost
+        if capacity == 1 << 16 and not cleared:
+            assert seen == list(range(logged))  # a ring that never wraps: every line exactly once
