@@ -186,9 +186,9 @@ def render_check(collection, verdict) -> str:
     devices = sorted({s.device for s in collection.efa}, key=_natural_key)
     lines.append("")
     lines.append(f"EFA devices: {len(devices)} read" + (f" ({devices[0]} .. {devices[-1]})" if devices else ""))
-    lines.append("Sources: " + ", ".join(
-        f"{h.source} {'up' if h.up else 'DOWN'}" + (f" ({h.detail})" if h.detail and not h.up else "")
-        for h in collection.health))
+    lines.append("Sources:")
+    lines.extend(f"  {h.source:<5} {'up' if h.up else 'DOWN':<4} {h.detail}".rstrip()
+                 for h in collection.health)
     lines.append(f"XID events in the kernel log / NVML: {len(collection.xids)}")
     lines.append("")
     meaning = {0: "healthy", 1: "degraded", 2: "node action required"}[verdict.exit_code]
