@@ -4,8 +4,13 @@ Both backends speak raw JSON dicts (the node as the API server returns it), so a
 version does not model is never lost, and the effects code is the same for both. Errors are
 classified once, here: ``Conflict`` (409 on a stale resourceVersion: re-read and retry),
 ``AlreadyExists`` (409 on create: the Event is already there), ``ApiUnavailable`` (connection
-refused, timeout, 5xx, 429, a reply that is not JSON: keep the desired state, retry later) and
+refused, timeout, 5xx, 429, a reply that is not JSON: keep the desired state, retry later),
+``Expired`` (410 Gone: a watch's resourceVersion left the server's window; list again) and
 ``ApiRejected`` (any other 4xx: a bug or missing RBAC; counted and logged).
+
+The watch on the agent's own node (``effects/node_watch.py``) goes through the same typed call as
+the list, ``list_node(watch=True)``, and reads the open response line by line here
+(``WatchStream``), so its errors are classified the same way.
 """
 
 from __future__ import annotations
@@ -13,12 +18,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from typing import Any, Callable
+import random
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 DEFAULT_REQUEST_TIMEOUT = (3.05, 10.0)  # (connect, read) seconds for every API call
+# A watch is quiet until the node changes: its read timeout is the server-side timeoutSeconds
+# plus this slack, so only a stream the server should already have ended counts as hung.
+WATCH_READ_SLACK_SECONDS = 30.0
 
 
 class ApiError(Exception):
@@ -42,6 +51,19 @@ class ApiRejected(ApiError):
         super().__init__(f"status={status} reason={reason} message={message}")
         self.status = status
         self.reason = reason
+
+
+class Expired(ApiRejected):
+    """410 Gone: the resourceVersion a watch resumes from is older than the server keeps."""
+
+
+def jittered_backoff(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Exponential backoff with jitter: uniform in [d/2, d], d = min(cap, base * 2**attempt).
+
+    The jitter keeps a fleet of agents that failed together (an API server restart) from
+    retrying together."""
+    delay = min(cap, base * (2 ** max(0, attempt)))
+    return rng.uniform(delay / 2, delay)
 
 
 class ApiBackend:
@@ -72,25 +94,53 @@ class ApiBackend:
         return self._call(self.core.patch_node_status, self.node_name, patch, _content_type=STRATEGIC_MERGE)
 
     def list_nodes(self, label_selector: str) -> list[dict]:
-        reply = self._call(self.core.list_node, label_selector=label_selector)
-        items = reply.get("items") if isinstance(reply, dict) else None
-        if not isinstance(items, list):
-            raise ApiUnavailable("node list reply has no items")
-        return [i for i in items if isinstance(i, dict)]
+        return _items(self._call(self.core.list_node, label_selector=label_selector))[0]
+
+    def list_own_node(self) -> tuple[dict | None, str]:
+        """The node through a LIST by name: (the node or None, the list's resourceVersion).
+
+        A watch starts from the LIST's version, not the object's: the object's may be older than
+        the server's watch window (a node nobody changed for a while) and would only earn a 410."""
+        items, version = _items(self._call(self.core.list_node, field_selector=self.field_selector))
+        if not version:
+            raise ApiUnavailable("node list reply has no resourceVersion")
+        node = next((i for i in items if (i.get("metadata") or {}).get("name") == self.node_name), None)
+        return node, version
+
+    def watch_own_node(self, resource_version: str, timeout_seconds: int) -> "WatchStream":
+        """Open a watch on the agent's node from ``resource_version``; the server ends it after
+        ``timeout_seconds``. Bookmarks are asked for: they move the resume version forward while
+        the node itself does not change, so a resume after a quiet hour is not a 410."""
+        response = self._send(self.core.list_node, field_selector=self.field_selector, watch=True,
+                              resource_version=resource_version, allow_watch_bookmarks=True,
+                              timeout_seconds=timeout_seconds,
+                              _request_timeout=(self.timeout[0], timeout_seconds + WATCH_READ_SLACK_SECONDS))
+        return WatchStream(response)
+
+    @property
+    def field_selector(self) -> str:
+        return f"metadata.name={self.node_name}"
 
     def create_event(self, namespace: str, body: dict) -> None:
         self._call(self.events.create_namespaced_event, namespace, body)
 
-    def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    def _send(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Call a typed client method for its raw response; errors classified."""
         import urllib3
         from kubernetes.client.exceptions import ApiException
 
+        kwargs.setdefault("_request_timeout", self.timeout)
         try:
-            response = fn(*args, _preload_content=False, _request_timeout=self.timeout, **kwargs)
+            return fn(*args, _preload_content=False, **kwargs)
         except ApiException as exc:
             raise classify_api_exception(exc) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise ApiUnavailable(f"{type(exc).__name__}: {exc}") from None
+
+    def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        import urllib3
+
+        response = self._send(fn, *args, **kwargs)
         try:
             data = response.data
         except (urllib3.exceptions.HTTPError, OSError) as exc:
@@ -105,6 +155,53 @@ class ApiBackend:
             raise ApiUnavailable("the reply is not JSON") from None
 
 
+def _items(reply: Any) -> tuple[list[dict], str]:
+    """A list reply's items (Node objects only) and its resourceVersion."""
+    items = reply.get("items") if isinstance(reply, dict) else None
+    if not isinstance(items, list):
+        raise ApiUnavailable("node list reply has no items")
+    version = str(((reply.get("metadata") or {}).get("resourceVersion")) or "")
+    return [i for i in items if isinstance(i, dict)], version
+
+
+class WatchStream:
+    """An open watch response: ``lines()`` yields its lines (one JSON event each).
+
+    ``interrupt()`` may be called from any thread: it shuts the socket down so a read blocked on
+    a quiet stream returns (how the watch thread is stopped). ``close()`` is for the reading
+    thread: it closes the response and gives the connection back to the pool."""
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+
+    def lines(self) -> Iterator[str]:
+        """The stream's lines until the server ends it cleanly; a cut or a hung stream raises
+        ``ApiUnavailable``."""
+        import urllib3
+        from kubernetes.watch.watch import iter_resp_lines
+
+        try:
+            yield from iter_resp_lines(self._response)
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            raise ApiUnavailable(f"watch stream: {type(exc).__name__}: {exc}") from None
+
+    def interrupt(self) -> None:
+        self._end("shutdown")  # urllib3 >= 2.3; an older one leaves the read to its timeout
+
+    def close(self) -> None:
+        self._end("close", "release_conn")
+
+    def _end(self, *methods: str) -> None:
+        for name in methods:
+            method = getattr(self._response, name, None)
+            if method is None:
+                continue
+            try:
+                method()
+            except Exception:  # noqa: BLE001 - ending a broken socket may fail in any way; it is ended
+                log.debug("watch stream %s failed", name, exc_info=True)
+
+
 def classify_api_exception(exc: Any) -> ApiError:
     """Map a client ``ApiException`` to the error kinds the effects act on."""
     status = int(getattr(exc, "status", 0) or 0)
@@ -116,6 +213,13 @@ def classify_api_exception(exc: Any) -> ApiError:
             message = str(body.get("message") or "")
     except (ValueError, TypeError):
         pass
+    return classify_status(status, reason, message)
+
+
+def classify_status(status: int, reason: str, message: str) -> ApiError:
+    """The error kind for an API ``Status`` (an error reply, or a watch's ERROR event)."""
+    if status == 410:
+        return Expired(status, reason or "Expired", message)
     if status == 409:
         if reason == "AlreadyExists":
             return AlreadyExists(message or "already exists")

@@ -2,18 +2,28 @@
 
 ``NodeEffects(settings, api_client, state)`` is driven by the loop's effects thread:
 ``startup(now, boot_id)`` once, then ``reconcile(verdict, now, boot_id)`` whenever the verdict
-changes and every few seconds anyway. Neither ever raises: API errors are counted in
-``KubeStatus.writes`` and logged, the desired state is kept and ``pending_writes`` says how much of
-it is not on the node yet; the next reconcile tries again. ``api_client=None`` is ``--kube
-dry-run``: the same decisions, logged one line per intended write, with no network at all.
+changes, whenever ``on_change`` fires, and every few seconds anyway; ``close()`` at shutdown.
+Neither ever raises: API errors are counted in ``KubeStatus.writes`` and logged, the desired state
+is kept and ``pending_writes`` says how much of it is not on the node yet; the next reconcile tries
+again. ``api_client=None`` is ``--kube dry-run``: the same decisions, logged one line per intended
+write, with no network at all (and no watch).
+
+The node as last seen is a cache kept current by ONE watch on the agent's own node
+(``effects/node_watch.py``, started by ``startup``): operator actions and foreign changes arrive
+as they happen, and one that touches what the agent owns or the clear annotation calls
+``on_change`` so the loop reconciles at once. In steady state that is zero writes, zero reads and
+one open watch. While the watch is down, the effects fall back to reading the node before
+planning, at most every ``resync_seconds``; a 409 on a write always re-reads.
 
 One reconcile:
   1. queue an Event for every open finding not reported yet (the ledger makes it once per key);
-  2. if nothing can have changed (the plan against the node as last seen needs no write and the
-     resync interval has not passed), stop: a steady state costs no request at all;
-  3. read the node, notice what operators did (the ``healthagent.io/clear`` annotation, the
-     agent's taint removed by hand, a recreated Node object) and adopt what the node records;
-  4. write labels/annotations/taints (PATCH with ``metadata.resourceVersion``; 409 -> re-read,
+  2. with the watch live, notice in the cached node what operators did (the
+     ``healthagent.io/clear`` annotation, the agent's taint removed by hand, a recreated Node
+     object) and adopt what the node records;
+  3. if the plan against the cached node needs no write (and, with the watch down, the resync
+     interval has not passed), stop: a steady state costs no request at all;
+  4. plan against the cached node (watch live) or a fresh read (watch down), noticing as in 2;
+     write labels/annotations/taints (PATCH with ``metadata.resourceVersion``; 409 -> re-read,
      re-plan, retry with bounded exponential backoff and jitter), then the conditions
      (``/status``, same rules); after ADDING the taint, re-count the budget and roll back if this
      node is the newest past the limit;
@@ -40,6 +50,7 @@ from healthagent.effects.backend import (
     ApiUnavailable,
     Conflict,
     DryRunBackend,
+    jittered_backoff,
 )
 from healthagent.effects.budget import BudgetCount, count_budget, late_older_peers, must_roll_back
 from healthagent.effects.events import (
@@ -62,19 +73,21 @@ from healthagent.effects.node_desired import (
     grace_start,
     node_patch,
     owned_taints,
+    owned_view,
     parse_rfc3339,
     plan_conditions,
     plan_labels,
     plan_taint,
     status_patch,
 )
+from healthagent.effects.node_watch import BACKOFF_SECONDS, WATCH_TIMEOUT_SECONDS, NodeCache, NodeWatch
 from healthagent.effects.record import STATE_KEY, AppliedTaint, EffectsRecord
 from healthagent.model import Action, Finding, KubeStatus, Verdict
 from healthagent.sources.base import ErrorTally
 
 log = logging.getLogger(__name__)
 
-RESYNC_SECONDS = 60.0  # re-read the node this often even when nothing changed (operator actions)
+RESYNC_SECONDS = 60.0  # with the watch down or off: re-read the node this often (operator actions)
 BUDGET_RECHECK_SECONDS = 30.0  # while over budget, count the cluster again this often
 MAX_ATTEMPTS = 6  # writes per object per reconcile before giving up until the next one
 BACKOFF_BASE_SECONDS = 0.1
@@ -114,13 +127,22 @@ class NodeEffects:
         resync_seconds: float = RESYNC_SECONDS,
         budget_recheck_seconds: float = BUDGET_RECHECK_SECONDS,
         max_attempts: int = MAX_ATTEMPTS,
+        on_change: Callable[[], None] | None = None,
+        watch: bool = True,
+        watch_timeout_seconds: tuple[int, int] = WATCH_TIMEOUT_SECONDS,
+        watch_backoff: tuple[float, float] = BACKOFF_SECONDS,
     ) -> None:
+        """``on_change`` (also settable later as the attribute, from the loop's effects worker) is
+        called from the watch thread when the node changes in a way a reconcile must see; it
+        must only wake the caller. ``watch=False`` keeps the read-on-a-timer behaviour (tests
+        that drive time through ``now`` and count every request use it)."""
         self.settings = settings
         self.node_name = settings.node_name or socket.gethostname()
         self.state = state
         self.record = EffectsRecord.from_state(state.get(STATE_KEY))
         self.ledger = EventLedger(self.record.emitted, self.record.outbox)
         self.dry_run = api_client is None
+        self._tally = ErrorTally("kube")
         if self.dry_run:
             self.mode = "dry-run"
             self.backend: Any = DryRunBackend(self.node_name, self.record.dry_run_node)
@@ -132,8 +154,15 @@ class NodeEffects:
         self.resync_seconds = resync_seconds
         self.budget_recheck_seconds = budget_recheck_seconds
         self.max_attempts = max(1, max_attempts)
+        self.on_change = on_change
         self._verdict: Verdict | None = None
-        self._node: dict | None = None
+        self._cache = NodeCache()
+        self._watch: NodeWatch | None = None
+        if watch and not self.dry_run:
+            self._watch = NodeWatch(
+                self.backend, self._cache, owned=self._owned_view, on_change=self._changed,
+                tally=self._tally, rng=random.Random(self._rng.random()),
+                timeout_seconds=watch_timeout_seconds, backoff=watch_backoff)
         self._last_read: float | None = None
         self._dirty = True
         self._pending = 0
@@ -145,13 +174,13 @@ class NodeEffects:
         self._rollback = False
         self._recount_at: float | None = None  # one more budget count after tainting (late peers)
         self._seen_tainted: set[str] = set()  # the peers tainted at the first re-count
-        self._tally = ErrorTally("kube")
 
     # -- the two entry points ----------------------------------------------------------------------
 
     def startup(self, now: float, boot_id: str) -> KubeStatus:
-        """Read the node, adopt what it records, deliver queued Events. Writes nothing to the node:
-        the first reconcile (right after the loop's first cycle) does, with a verdict in hand."""
+        """Read the node (the watch's LIST), start the watch, adopt what the node records, deliver
+        queued Events. Writes nothing to the node: the first reconcile (right after the loop's
+        first cycle) does, with a verdict in hand."""
         self._guard(lambda: self._startup(now, boot_id))
         return self.status()
 
@@ -159,6 +188,39 @@ class NodeEffects:
         """Bring the node to the verdict. Never raises."""
         self._guard(lambda: self._reconcile(verdict, now, boot_id))
         return self.status()
+
+    def close(self) -> None:
+        """Stop the watch (the loop's shutdown). The effects stay usable, reading on a timer."""
+        if self._watch is not None:
+            self._watch.stop()
+
+    @property
+    def watching(self) -> bool:
+        """Is the watch on the node live (the cache as fresh as a read)?"""
+        return self._watch is not None and self._watch.live
+
+    @property
+    def node(self) -> dict | None:
+        """The node as last seen (watch, read or write reply); read-only."""
+        return self._cache.get()
+
+    @property
+    def node_watch(self) -> NodeWatch | None:
+        """The watch on the node; None in dry-run or with ``watch=False``."""
+        return self._watch
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Cumulative API and watch errors by kind (``unavailable``, ``watch_expired``, ...)."""
+        return self._tally.snapshot()
+
+    def _changed(self) -> None:
+        callback = self.on_change
+        if callback is not None:
+            callback()
+
+    def _owned_view(self, node: dict | None) -> tuple:
+        return owned_view(node, self.settings.taint_key, self.settings.hyperpod_labels)
 
     def _guard(self, work: Callable[[], None]) -> None:
         try:
@@ -172,15 +234,17 @@ class NodeEffects:
     def _startup(self, now: float, boot_id: str) -> None:
         self._note_boot(boot_id)
         try:
-            node = self._read(now)
+            node = self._list_read(now) if self._watch is not None else self._read(now)
         except ApiError as exc:
             self._failed(exc)
+            self._start_watch()  # it lists by itself once the API server answers
             return
         self._observe(node, now)
         self._dirty = False
         self._deliver_events(now)
 
     def _reconcile(self, verdict: Verdict, now: float, boot_id: str) -> None:
+        self._start_watch()  # a no-op after ``startup``
         self._note_boot(boot_id)
         self._verdict = verdict
         keys = {f.key for f in verdict.findings}
@@ -197,13 +261,28 @@ class NodeEffects:
     # -- reading and noticing ----------------------------------------------------------------------
 
     def _read(self, now: float) -> dict:
-        node = self.backend.read_node()
+        return self._seen(self.backend.read_node(), now)
+
+    def _list_read(self, now: float) -> dict:
+        """Read the node through the watch's LIST and start the watch from the list's version."""
+        node, version = self.backend.list_own_node()
+        if node is None:
+            raise ApiRejected(404, "NotFound", f"node {self.node_name} is not in the node list")
+        node = self._seen(node, now)
+        self._start_watch(version)
+        return node
+
+    def _seen(self, node: Any, now: float) -> dict:
         if not isinstance(node, dict) or not isinstance(node.get("metadata"), dict):
             raise ApiUnavailable("the node reply is not a Node object")
         self._reachable = True
-        self._node = node
+        self._cache.offer(node)
         self._last_read = now
         return node
+
+    def _start_watch(self, listed_version: str = "") -> None:
+        if self._watch is not None and not self._watch.started:
+            self._watch.start(listed_version)
 
     def _observe(self, node: dict, now: float) -> None:
         """Adopt what the node records; notice a recreated Node and a taint removed by hand."""
@@ -330,13 +409,19 @@ class NodeEffects:
     def _sync(self, now: float) -> None:
         self._budget_memo = None
         recount_due = self._recount_at is not None and now >= self._recount_at
-        if not self._dirty and self._node is not None and not self._resync_due(now) and not recount_due:
-            plan = self._plan(self._node, now)
-            if plan.patch is None and status_patch(self._node, plan.desired, now) is None:
-                self._commit(plan, self._node, now)
+        node = self._cache.get()
+        trusted = node is not None and not self._dirty and self.watching
+        if trusted:
+            self._last_read = now  # the watch keeps the cache as fresh as a read
+            self._observe(node, now)  # what operators did arrived through the watch
+        if not self._dirty and node is not None and not self._resync_due(now) and not recount_due:
+            plan = self._plan(node, now)
+            if plan.patch is None and status_patch(node, plan.desired, now) is None:
+                self._commit(plan, node, now)
                 self._pending = 0
                 return
-        node = self._read(now)
+        if not trusted:
+            node = self._read(now)
         node, plan, basis, node_ok = self._write_node(node, now)
         status_ok = False
         if node_ok:  # conditions follow the node write (a pending clear must land first)
@@ -348,7 +433,7 @@ class NodeEffects:
                 if owned_taints(node, self.settings.taint_key):
                     node = self._recount_after_taint(node, now, first=False)
             node, status_ok = self._write_status(node, now)
-        self._node = node
+        self._cache.offer(node)
         self._dirty = not (node_ok and status_ok)
         self._pending = int(not node_ok) + int(not status_ok)
 
@@ -404,8 +489,7 @@ class NodeEffects:
         return node, plan, node, False
 
     def _backoff(self, attempt: int) -> None:
-        delay = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * (2 ** attempt))
-        self._sleep(self._rng.uniform(delay / 2, delay))
+        self._sleep(jittered_backoff(attempt, BACKOFF_BASE_SECONDS, BACKOFF_CAP_SECONDS, self._rng))
 
     def _commit(self, plan: NodePlan, basis: dict, now: float) -> None:
         """Record what the node now carries (the write succeeded, or nothing differed)."""
@@ -533,10 +617,11 @@ class NodeEffects:
 
     def _pending_against_known(self, now: float) -> int:
         """How many node writes the desired state still needs (the API server could not say)."""
-        if self._node is None:
+        node = self._cache.get()
+        if node is None:
             return 1
-        plan = self._plan(self._node, now, budget_allows=lambda: True)
-        return int(plan.patch is not None) + int(status_patch(self._node, plan.desired, now) is not None)
+        plan = self._plan(node, now, budget_allows=lambda: True)
+        return int(plan.patch is not None) + int(status_patch(node, plan.desired, now) is not None)
 
     def _note_boot(self, boot_id: str) -> None:
         if boot_id and boot_id != self.record.boot_id:
@@ -553,7 +638,7 @@ class NodeEffects:
         self.state.flush()
 
     def status(self) -> KubeStatus:
-        effects = {t.get("effect") for t in owned_taints(self._node or {}, self.settings.taint_key)}
+        effects = {t.get("effect") for t in owned_taints(self._cache.get() or {}, self.settings.taint_key)}
         effect = NO_EXECUTE if NO_EXECUTE in effects else (next(iter(effects)) if effects else "")
         return KubeStatus(
             mode=self.mode, reachable=self._reachable, taint_effect=effect,

@@ -143,6 +143,26 @@ def annotations_of(node: Mapping) -> dict:
     return dict((node.get("metadata") or {}).get("annotations") or {})
 
 
+def owned_view(node: Mapping | None, taint_key: str, hyperpod: bool) -> tuple:
+    """What of the node the agent owns or acts on: the object's uid, its taints, its labels, the
+    clear annotations and its conditions. A watch event that changes none of these (the kubelet's
+    status report, another controller's label) updates the cache without waking the effects."""
+    if node is None:
+        return ()
+    labels, annotations = labels_of(node), annotations_of(node)
+    label_keys = (HEALTH_LABEL,) + ((HYPERPOD_HEALTH_LABEL, HYPERPOD_FAULT_TYPES_LABEL,
+                                     HYPERPOD_FAULT_REASONS_LABEL) if hyperpod else ())
+    conditions = [c for c in (node.get("status") or {}).get("conditions") or []
+                  if isinstance(c, dict) and c.get("type") in OWNED_CONDITIONS]
+    return (
+        (node.get("metadata") or {}).get("uid"),
+        tuple((t.get("value"), t.get("effect"), t.get("timeAdded")) for t in owned_taints(node, taint_key)),
+        tuple(labels.get(k) for k in label_keys),
+        annotations.get(CLEAR_ANNOTATION), annotations.get(CLEAR_HANDLED_ANNOTATION),
+        tuple((c.get("type"), c.get("status"), c.get("reason"), c.get("message")) for c in conditions),
+    )
+
+
 def grace_start(node: Mapping, taint_key: str, value: str, recorded_since: float | None) -> float | None:
     """When the taint for ``value`` was first applied: the record, else the taint's ``timeAdded``
     on the node (the agent sets it), so a lost state file does not restart the grace."""

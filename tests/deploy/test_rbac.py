@@ -2,7 +2,8 @@
 
 The expected grants are not a hand-kept list: they are derived from the ``kubernetes`` client
 calls in healthagent/effects/backend.py, so a new call there without its RBAC (a 403 on a real
-cluster, invisible to the fake API server of the effects tests) fails here.
+cluster, invisible to the fake API server of the effects tests) fails here. A ``list_*`` call
+made with ``watch=True`` is the ``watch`` verb (the API server authorizes a watch as such).
 """
 
 from __future__ import annotations
@@ -45,24 +46,71 @@ def grants(role) -> dict[tuple[str, str], list[str]]:
     return out
 
 
+def call_arguments(source: str, start: int, end: int) -> str:
+    """The arguments of the call that ``source[start:end]`` makes (``self.core.x(...)``) or is
+    passed to (``self._send(self.core.x, ...)``)."""
+    rest = source[end:].lstrip()
+    if rest.startswith("("):
+        opened = end + source[end:].index("(")
+    else:  # a method reference: the innermost call still open before it
+        depth, opened = 0, -1
+        for index in range(start - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(source[index], 0)
+            if depth < 0:
+                opened = index
+                break
+        if opened < 0:
+            return ""
+    depth = 0
+    for index in range(opened, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[index], 0)
+        if depth == 0:
+            return source[opened + 1:index]
+    raise AssertionError("unbalanced call in backend.py")
+
+
+def client_calls(source: str) -> set[tuple[str, str, bool]]:
+    """(api, method, is a watch) for every ``self.core.X``/``self.events.X`` in the source."""
+    calls = set()
+    for match in re.finditer(r"self\.(core|events)\.(\w+)", source):
+        arguments = call_arguments(source, match.start(), match.end())
+        watching = bool(re.search(r"\bwatch\s*=\s*True\b", arguments))
+        calls.add((match.group(1), match.group(2), watching))
+    return calls
+
+
 def grants_used_by_the_agent() -> dict[tuple[str, str], list[str]]:
-    calls = set(re.findall(r"self\.(core|events)\.(\w+)", BACKEND.read_text(encoding="utf-8")))
-    unknown = calls - set(CLIENT_CALLS)
+    calls = client_calls(BACKEND.read_text(encoding="utf-8"))
+    unknown = {(api, method) for api, method, _ in calls} - set(CLIENT_CALLS)
     assert not unknown, f"map {sorted(unknown)} to their RBAC verb here and grant it in deploy/base/rbac.yaml"
     out: dict[tuple[str, str], list[str]] = {}
-    for call in calls:
-        group, resource, verb = CLIENT_CALLS[call]
+    for api, method, watching in calls:
+        group, resource, verb = CLIENT_CALLS[(api, method)]
+        if watching:
+            assert verb == "list", f"{method} with watch=True is not a list call"
+            verb = "watch"
         out.setdefault((group, resource), []).append(verb)
-    return {key: sorted(verbs, key=VERB_ORDER.index) for key, verbs in out.items()}
+    return {key: sorted(set(verbs), key=VERB_ORDER.index) for key, verbs in out.items()}
 
 
 def test_the_agent_calls_what_the_manifests_grant():
     """The derivation itself: the calls in backend.py today."""
     assert grants_used_by_the_agent() == {
-        ("", "nodes"): ["get", "list", "patch"],
+        ("", "nodes"): ["get", "list", "watch", "patch"],
         ("", "nodes/status"): ["patch"],
         ("events.k8s.io", "events"): ["create"],
     }
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("self.core.list_node(label_selector=s)", {("core", "list_node", False)}),
+    ("self._send(self.core.list_node, field_selector=f(x), watch=True,\n  timeout_seconds=t)",
+     {("core", "list_node", True)}),
+    ("self.core.list_node(watch=False)", {("core", "list_node", False)}),
+    ("self._call(self.events.create_namespaced_event, ns, body)", {("events", "create_namespaced_event", False)}),
+])
+def test_a_watch_is_told_from_a_list(source, expected):
+    assert client_calls(source) == expected
 
 
 @pytest.mark.parametrize("overlay", ["generic", "hyperpod"])

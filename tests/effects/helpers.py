@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +29,37 @@ class Sleeps:
         self.delays.append(seconds)
 
 
+class Wakes:
+    """The ``on_change`` callback as the loop's effects worker has it: an Event it waits on, and a
+    count of the wake-ups (called from the watch thread)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.count += 1
+        self.event.set()
+
+    def wait(self, timeout: float = 30.0) -> bool:
+        """Wait for a wake-up and consume it."""
+        woke = self.event.wait(timeout)
+        self.event.clear()
+        return woke
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until it holds; the timeout is a generous failure bound, not a timing."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def settings_for(tmp_path: Path, node: str, **overrides) -> Settings:
     values = dict(node_name=node, kube="in-cluster", state_file=str(tmp_path / "state" / "state.json"),
                   replace_noexecute_grace_seconds=120.0)
@@ -36,10 +69,16 @@ def settings_for(tmp_path: Path, node: str, **overrides) -> Settings:
 
 def start_effects(settings: Settings, fake: KubeFake | None, sleeps: Sleeps | None = None,
                   **kwargs) -> NodeEffects:
-    """A NodeEffects over a freshly loaded state file, as the agent builds it after a restart."""
+    """A NodeEffects over a freshly loaded state file, as the agent builds it after a restart.
+
+    Without the watch unless ``watch=True``: these tests drive time through ``now`` and count
+    every request, and the watch runs in real time on its own thread - so they exercise the
+    read-on-a-timer path the effects fall back to while the watch is down.
+    tests/effects/test_kube_watch.py runs the watch."""
     store = StateStore(settings.state_file)
     store.load()
     kwargs.setdefault("request_timeout", (2.0, 5.0))
+    kwargs.setdefault("watch", False)
     return NodeEffects(settings, fake.api_client() if fake is not None else None, store,
                        sleep=sleeps if sleeps is not None else Sleeps(), rng=random.Random(7), **kwargs)
 
@@ -60,6 +99,7 @@ def verdict(*findings: Finding, at: float = T0) -> Verdict:
 
 
 HEALTHY = Verdict.of([], T0)
+XID95 = verdict(finding())  # the product's promise: replace_node
 
 
 def our_taints(node: dict) -> list[dict]:

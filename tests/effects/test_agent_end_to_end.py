@@ -6,27 +6,17 @@ nothing. NVML is off (no C compiler needed): the XID arrives through the kernel-
 Waiting is on conditions with generous timeouts, never on a bare sleep.
 """
 
-import time
 from pathlib import Path
 
 import pytest
 
 from healthagent.config import load_settings
 from healthagent.effects.node_desired import HEALTH_LABEL
-from tests.effects.helpers import TAINT_KEY, condition, our_taints
+from tests.effects.helpers import TAINT_KEY, condition, our_taints, wait_for
 
 pytestmark = pytest.mark.integration
 
 NODE = "gpu-node-0"
-
-
-def wait_for(predicate, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def kubeconfig_for(fake, path: Path) -> Path:

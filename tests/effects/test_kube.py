@@ -23,6 +23,7 @@ from tests.effects.helpers import (
     HEALTHY,
     T0,
     TAINT_KEY,
+    XID95,
     Sleeps,
     condition,
     finding,
@@ -36,7 +37,6 @@ pytestmark = pytest.mark.integration
 
 NODE = "gpu-node-0"
 EVENTS = "/apis/events.k8s.io/v1/namespaces/default/events"
-XID95 = verdict(finding())
 
 
 @pytest.fixture

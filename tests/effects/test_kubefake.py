@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import pytest
 import urllib3
@@ -182,6 +183,41 @@ def test_watch_from_zero_lists_then_times_out_and_too_old_is_410(core, fake):
     with pytest.raises(client.ApiException) as info:
         list(watch.Watch().stream(core.list_node, resource_version="101", timeout_seconds=1))
     assert info.value.status == 410
+
+
+def test_watch_bookmarks_raw_lines_compaction_and_a_client_that_leaves(core, fake):
+    since = str(fake.resource_version)
+    response = core.list_node(watch=True, allow_watch_bookmarks=True, resource_version=since, timeout_seconds=1,
+                              field_selector="metadata.name=gpu-node-0", _preload_content=False,
+                              _request_timeout=(2, 10))
+    fake.update_node("gpu-node-1", lambda n: n["metadata"]["labels"].update(step="1"))  # not selected
+    fake.send_bookmarks()
+    fake.send_raw_watch_line("not an event")
+    lines = list(watch.watch.iter_resp_lines(response))  # until timeoutSeconds ends it cleanly
+    assert json.loads(lines[0]) == {"type": "BOOKMARK", "object": {
+        "kind": "Node", "apiVersion": "v1", "metadata": {"resourceVersion": str(fake.resource_version)}}}
+    assert lines[1:] == ["not an event"]
+    assert fake.watches()[-1].query["allowWatchBookmarks"] == "true"
+
+    fake.compact()  # as etcd compaction: only versions from now on can be resumed
+    with pytest.raises(client.ApiException) as info:
+        list(watch.Watch().stream(core.list_node, resource_version=since, timeout_seconds=1))
+    assert info.value.status == 410
+    assert list(watch.Watch().stream(core.list_node, resource_version=str(fake.resource_version),
+                                     timeout_seconds=1)) == []
+
+    fake.fail_next(1, status=410)  # the other form of 410: an HTTP status on the watch request
+    status, body = api_error(core.list_node, watch=True, resource_version=since)
+    assert (status, body["reason"]) == (410, "Expired")
+
+    quiet = core.list_node(watch=True, resource_version=str(fake.resource_version), _preload_content=False,
+                           _request_timeout=(2, 10))
+    assert fake.open_watches() == 1
+    quiet.close()
+    deadline = time.monotonic() + 30
+    while fake.open_watches() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fake.open_watches() == 0  # the server noticed the client left a quiet stream
 
 
 def event_body(name="n.1", **overrides):

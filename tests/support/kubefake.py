@@ -18,8 +18,14 @@ REAL ``kubernetes`` Python client talking HTTP to this server (``ThreadingHTTPSe
 - ``LIST /api/v1/nodes`` with ``labelSelector`` (``=``, ``==``, ``!=``, exists, ``!key``, ``in``,
   ``notin``) and ``fieldSelector`` (``metadata.name``, ``spec.unschedulable``);
 - ``watch=true`` streaming (chunked, one JSON event per line, ADDED/MODIFIED/DELETED with the
-  selector transitions the real server makes, ``ERROR`` 410 for a too-old resourceVersion,
-  ``timeoutSeconds``);
+  selector transitions the real server makes): from ``resourceVersion`` ""/"0" it starts with an
+  ADDED per object, from any other version it replays what happened after it; a version older
+  than the kept history (``watch_history`` events, or ``compact()``, as etcd compaction does) gets
+  an ``ERROR`` event with a 410 ``Expired`` Status inside a 200 stream, as the API server's watch
+  cache answers it; ``timeoutSeconds`` ends the stream cleanly (final chunk);
+  ``allowWatchBookmarks=true`` adds ``BOOKMARK`` events (an object with only
+  ``metadata.resourceVersion``, the newest version) every ``bookmark_interval`` seconds and on
+  ``send_bookmarks()``;
 - ``POST``/``GET``/``PATCH``/``DELETE`` ``/apis/events.k8s.io/v1/namespaces/{ns}/events[/{name}]``
   with the events.k8s.io/v1 create validation (eventTime, reportingController, reportingInstance,
   action, reason, type Normal|Warning, note <= 1 kB) and ``409 AlreadyExists``;
@@ -27,10 +33,14 @@ REAL ``kubernetes`` Python client talking HTTP to this server (``ThreadingHTTPSe
   condition types (``422 Invalid``); ``404 NotFound`` Status for unknown objects and paths.
 
 Fault switches: ``go_down()``/``come_up()`` (the port really refuses connections and open
-keep-alive connections are cut), ``set_delay(seconds)`` (every answer is late), ``fail_next(n)``
-(the next n requests get 500), ``conflict_next_writes(n)`` (the next n writes get 409),
-``drop_watches()`` (open watch streams are cut mid-stream). Every request is recorded
-(``requests()``, ``writes()``) so tests can count what the client did.
+keep-alive connections are cut), ``set_delay(seconds)`` (every answer is late), ``fail_next(n,
+status=500)`` (the next n requests, watches included, get that status with a matching reason:
+410 ``Expired``, 403 ``Forbidden``, ...), ``conflict_next_writes(n)`` (the next n writes get
+409), ``drop_watches()`` (open watch streams are cut mid-stream, no final chunk),
+``compact()`` (forget the watch history: resuming from any older version is a 410),
+``send_raw_watch_line(text)`` (a line that is not an event, into every open stream). Every request
+is recorded (``requests()``, ``writes()``, ``watches()``) so tests can count what the client did;
+``open_watches()`` says how many streams are being served.
 
 Use::
 
@@ -47,7 +57,9 @@ resource but nodes and events.k8s.io/v1 events (no core/v1 events, no leases, no
 protobuf, CBOR, YAML and table output; server-side apply and managedFields; pagination
 (``limit``/``continue`` are ignored); ``dryRun``; ``generation``; finalizers and graceful deletion;
 ``$setElementOrder`` and ``$retainKeys`` (accepted, ignored); most field validation beyond the list
-above; Event TTL expiry; watch bookmarks; HTTP/2.
+above; Event TTL expiry; HTTP/2. Of watches: ``sendInitialEvents``/``resourceVersionMatch``
+(streaming lists), the "too large resource version" wait, watch-cache progress notifications
+and the initial-events-end bookmark annotation; a watch's history is one list for all kinds.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import select
 import socket
 import threading
 import time
@@ -74,6 +87,8 @@ NODE_MERGE_KEYS: dict[tuple[str, ...], str] = {
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 EVENT_TYPES = ("Normal", "Warning")
 WATCH_HISTORY = 1000
+FAIL_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 410: "Expired",
+                429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _PREFIX_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -408,9 +423,10 @@ class RecordedRequest:
 class _Watcher:
     kind: str
     matches: Callable[[dict], bool]
-    events: list
+    events: list  # event dicts, or str: a raw line (``send_raw_watch_line``)
     cond: threading.Condition
     dropped: bool = False
+    bookmarks: bool = False
 
 
 def _validate_node(node: dict) -> list[str]:
@@ -493,6 +509,7 @@ class KubeFake:
         self._nodes: dict[str, dict] = {}
         self._events: dict[tuple[str, str], dict] = {}
         self._history: list[tuple[int, str, str, dict, dict | None]] = []  # rv, kind, type, obj, old
+        self._history_floor = 0  # a watch from a version older than this is a 410
         self._watchers: list[_Watcher] = []
         self._log: list[RecordedRequest] = []
         self._fail_next = 0
@@ -505,6 +522,7 @@ class KubeFake:
         self._conns: set[socket.socket] = set()
         self.down = False
         self.watch_history = WATCH_HISTORY
+        self.bookmark_interval: float | None = 60.0  # roughly the real watch cache's cadence
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -583,6 +601,7 @@ class KubeFake:
         self._delay = seconds
 
     def fail_next(self, n: int, status: int = 500) -> None:
+        """The next ``n`` requests get ``status`` (a Status with the reason the real server gives)."""
         with self._lock:
             self._fail_next, self._fail_status = n, status
 
@@ -596,6 +615,36 @@ class KubeFake:
                 with watcher.cond:
                     watcher.dropped = True
                     watcher.cond.notify_all()
+
+    def compact(self) -> None:
+        """Forget the watch history, as etcd compaction does: a watch resuming from a version
+        older than the current one gets 410 Expired and must list again."""
+        with self._lock:
+            self._history.clear()
+            self._history_floor = self._rv
+
+    def send_bookmarks(self) -> None:
+        """A BOOKMARK with the newest resourceVersion into every watch that asked for them."""
+        with self._lock:
+            for watcher in self._watchers:
+                if watcher.bookmarks:
+                    self._queue(watcher, self._bookmark())
+
+    def send_raw_watch_line(self, text: str) -> None:
+        """Write ``text`` as one line into every open watch stream (garbage, for the client)."""
+        with self._lock:
+            for watcher in self._watchers:
+                self._queue(watcher, text)
+
+    @staticmethod
+    def _queue(watcher: _Watcher, event: dict | str) -> None:
+        with watcher.cond:
+            watcher.events.append(event)
+            watcher.cond.notify_all()
+
+    def _bookmark(self) -> dict:
+        return {"type": "BOOKMARK", "object": {"kind": "Node", "apiVersion": "v1",
+                                               "metadata": {"resourceVersion": str(self._rv)}}}
 
     # -- data for tests ----------------------------------------------------------------------------
 
@@ -677,6 +726,15 @@ class KubeFake:
         """Recorded POST/PUT/PATCH/DELETE requests (whatever they were answered)."""
         return [r for r in self.requests(path=path) if r.is_write]
 
+    def watches(self, path: str | None = None) -> list[RecordedRequest]:
+        """Recorded watch requests (``watch=true``), whatever they were answered."""
+        return [r for r in self.requests("GET", path) if r.query.get("watch") in ("true", "1")]
+
+    def open_watches(self) -> int:
+        """Watch streams the server is serving now (a client that went away is noticed)."""
+        with self._lock:
+            return len(self._watchers)
+
     def reset_log(self) -> None:
         with self._lock:
             self._log.clear()
@@ -690,15 +748,16 @@ class KubeFake:
     def _notify(self, kind: str, etype: str, obj: dict, old: dict | None) -> None:
         rv = int(obj["metadata"]["resourceVersion"])
         self._history.append((rv, kind, etype, copy.deepcopy(obj), copy.deepcopy(old)))
-        del self._history[:-self.watch_history]
+        excess = len(self._history) - self.watch_history
+        if excess > 0:
+            self._history_floor = self._history[excess - 1][0]
+            del self._history[:excess]
         for watcher in self._watchers:
             if watcher.kind != kind:
                 continue
             event = _watch_event(etype, obj, old, watcher.matches)
             if event:
-                with watcher.cond:
-                    watcher.events.append(event)
-                    watcher.cond.notify_all()
+                self._queue(watcher, event)
 
     # -- request handling (called by the handler threads) ------------------------------------------
 
@@ -709,8 +768,8 @@ class KubeFake:
             with self._lock:
                 if self._fail_next > 0:
                     self._fail_next -= 1
-                    raise ApiError(self._fail_status, "InternalError",
-                                   "Internal error occurred: injected by the test (fail_next)")
+                    reason = FAIL_REASONS.get(self._fail_status, "InternalError")
+                    raise ApiError(self._fail_status, reason, f"{reason}: injected by the test (fail_next)")
                 if method in ("PUT", "PATCH") and self._conflict_next > 0:
                     self._conflict_next -= 1
                     name = path.rstrip("/").split("/")[-1]
@@ -755,18 +814,20 @@ class KubeFake:
         def matches(obj: dict) -> bool:
             return labels(obj["metadata"].get("labels") or {}) and field_match(obj)
 
-        watcher = _Watcher(kind=kind, matches=matches, events=[], cond=threading.Condition())
+        watcher = _Watcher(kind=kind, matches=matches, events=[], cond=threading.Condition(),
+                           bookmarks=query.get("allowWatchBookmarks") in ("true", "1"))
         since = query.get("resourceVersion", "")
+        if since not in ("", "0") and not since.isdigit():
+            raise ApiError(400, "BadRequest", f"invalid resource version {since!r}")
         with self._lock:
             if since in ("", "0"):
                 for node in sorted(self._nodes.values(), key=lambda n: n["metadata"]["name"]):
                     if matches(node):
                         watcher.events.append({"type": "ADDED", "object": copy.deepcopy(node)})
             else:
-                oldest = self._history[0][0] if self._history else self._rv + 1
                 start = int(since)
-                if start < oldest - 1 and len(self._history) >= self.watch_history:
-                    gone = ApiError(410, "Expired", f"too old resource version: {start} ({oldest - 1})")
+                if start < self._history_floor:
+                    gone = ApiError(410, "Expired", f"too old resource version: {start} ({self._history_floor})")
                     watcher.events.append({"type": "ERROR", "object": gone.status()})
                 else:
                     for rv, hkind, etype, obj, old in self._history:
@@ -983,22 +1044,31 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _stream(self, watcher: _Watcher, timeout: float | None) -> None:
         deadline = time.monotonic() + timeout if timeout else None
+        last_bookmark = time.monotonic()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         try:
             while not self.fake._stopping.is_set():
+                if self._peer_closed():
+                    return  # the client went away (a real server notices at once, too)
+                interval = self.fake.bookmark_interval
+                if watcher.bookmarks and interval and time.monotonic() - last_bookmark >= interval:
+                    last_bookmark = time.monotonic()
+                    with self.fake._lock:  # every event up to the newest version is queued first
+                        self.fake._queue(watcher, self.fake._bookmark())
                 with watcher.cond:
                     if not watcher.events and not watcher.dropped:
                         watcher.cond.wait(0.05)
                     pending, watcher.events = watcher.events, []
                     dropped = watcher.dropped
                 for event in pending:
-                    line = json.dumps(event).encode("utf-8") + b"\n"
+                    text = event if isinstance(event, str) else json.dumps(event)
+                    line = text.encode("utf-8") + b"\n"
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                     self.wfile.flush()
-                    if event["type"] == "ERROR":
+                    if isinstance(event, dict) and event["type"] == "ERROR":
                         deadline = time.monotonic()
                 if dropped:
                     self.close_connection = True
@@ -1010,6 +1080,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         finally:
             self.fake._close_watch(watcher)
+
+    def _peer_closed(self) -> bool:
+        """Has the client closed a quiet stream? (readable with nothing to read = EOF)"""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def do_GET(self) -> None:  # noqa: N802 - http.server naming
         self._serve("GET")

@@ -1,0 +1,326 @@
+"""One watch on the agent's own Node: the cache the effects plan against, and their wake-up.
+
+Why: noticing operators (the ``healthagent.io/clear`` annotation, a taint removed by hand) by
+re-reading the node on a timer costs every node a GET a minute - about 33 GET/s against the API
+server on 2,000 nodes, for nothing - and makes an operator's clear wait out the timer. One watch
+per node costs one open request; the API server pushes the node whenever it changes.
+
+The protocol, as client-go's reflector speaks it, for one object:
+  - LIST ``/api/v1/nodes?fieldSelector=metadata.name=<node>``: the node and the list's
+    resourceVersion (the start-up read of ``NodeEffects`` is this LIST, so it costs nothing extra);
+  - WATCH from that version with ``allowWatchBookmarks`` and a server-side ``timeoutSeconds``
+    (randomised in 5-10 min, so a fleet does not re-watch in step). Every event's
+    resourceVersion, a BOOKMARK's included, is where the next watch resumes;
+  - the server ending the stream at ``timeoutSeconds`` is normal: watch again, from the last
+    version, at once;
+  - 410 Gone (an ERROR event in the stream, as the API server sends it, or an HTTP 410): the
+    version left the server's window. LIST again, then watch from the new list's version;
+  - a refused, cut or hung connection, a 5xx or 429: back off (exponential with jitter, capped)
+    and resume from the last version - nothing is lost, the server replays what was missed;
+  - any other 4xx (RBAC without ``watch``): retry only every ``rejected_retry_seconds``, so a
+    fleet with a stale ClusterRole does not hammer the server; the effects fall back to reads;
+  - a line that is not a watch event is counted and the node listed again (an event may have
+    been lost with it).
+
+``live`` is True from a successful LIST or watch request until the stream fails. While it is
+True the cache is as fresh as a read, and ``NodeEffects`` plans and writes against it without a
+GET; while it is False, ``NodeEffects`` falls back to reading the node before planning, at the
+rate it always had. The cache keeps the newest object by resourceVersion, whoever offers it (a
+watch event, a GET, a write's reply), so an event that arrives after the agent's own write
+never rolls the cache back.
+
+Each event that changes what the agent owns or acts on (``owned``: its taint, labels, the clear
+annotations, its conditions, the object's uid) calls ``on_change``, as does the watch coming
+back after it failed; foreign changes (another controller's label, the kubelet's status) only
+update the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from typing import Any, Callable
+
+from healthagent.effects.backend import ApiError, ApiRejected, Expired, classify_status, jittered_backoff
+from healthagent.sources.base import ErrorTally
+
+log = logging.getLogger(__name__)
+
+WATCH_TIMEOUT_SECONDS = (300, 600)  # server-side timeoutSeconds, drawn per request (client-go: 5-10 min)
+BACKOFF_SECONDS = (0.8, 30.0)  # base, cap: client-go's reflector backoff
+REJECTED_RETRY_SECONDS = 300.0
+HEALTHY_STREAM_SECONDS = 10.0  # a stream that lived this long was no failure, events or not
+STOP_JOIN_SECONDS = 5.0
+
+
+class BadEvent(Exception):
+    """A watch line that is not a watch event."""
+
+
+def resource_version(obj: Any) -> str:
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    return str((meta or {}).get("resourceVersion") or "") if isinstance(meta, dict) else ""
+
+
+def not_older(candidate: str, current: str) -> bool:
+    """Is ``candidate`` at least as new as ``current``? resourceVersions are opaque to clients,
+    but every API server backed by etcd hands out its integer revisions, and for one object
+    they only grow; a version that is not an integer is taken as the newest arrival."""
+    if not current or not candidate:
+        return True
+    try:
+        return int(candidate) >= int(current)
+    except ValueError:
+        return True
+
+
+def parse_event(line: str) -> tuple[str, dict]:
+    """One watch line -> (type, object); ``BadEvent`` for anything else."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        raise BadEvent(f"not JSON: {line[:80]!r}") from None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str) \
+            or not isinstance(event.get("object"), dict):
+        raise BadEvent(f"not a watch event: {line[:80]!r}")
+    if event["type"] != "ERROR" and not isinstance(event["object"].get("metadata"), dict):
+        raise BadEvent(f"{event['type']} event without object metadata")
+    return event["type"], event["object"]
+
+
+class NodeCache:
+    """The latest Node object seen; thread-safe. Objects handed out are shared: read-only."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._node: dict | None = None
+        self._version = ""
+
+    def get(self) -> dict | None:
+        with self._lock:
+            return self._node
+
+    def offer(self, node: dict) -> tuple[dict | None, bool]:
+        """Keep ``node`` unless the cache holds a newer version: (the node before, kept?)."""
+        version = resource_version(node)
+        with self._lock:
+            previous = self._node
+            if not not_older(version, self._version):
+                return previous, False
+            self._node, self._version = node, version
+            return previous, True
+
+    def forget(self, version: str) -> dict | None:
+        """The node was deleted at ``version``: (the node before)."""
+        with self._lock:
+            previous = self._node
+            if not_older(version, self._version):
+                self._node, self._version = None, version
+            return previous
+
+
+class NodeWatch:
+    """The watch thread for one node (see the module docstring). ``start`` once, ``stop`` once."""
+
+    def __init__(
+        self,
+        backend: Any,
+        cache: NodeCache,
+        *,
+        owned: Callable[[dict | None], object],
+        on_change: Callable[[], None],
+        tally: ErrorTally,
+        rng: random.Random | None = None,
+        timeout_seconds: tuple[int, int] = WATCH_TIMEOUT_SECONDS,
+        backoff: tuple[float, float] = BACKOFF_SECONDS,
+        rejected_retry_seconds: float = REJECTED_RETRY_SECONDS,
+    ) -> None:
+        self._backend = backend
+        self._cache = cache
+        self._owned = owned
+        self._on_change = on_change
+        self._tally = tally
+        self._rng = rng or random.Random()
+        self._timeouts = (max(1, int(timeout_seconds[0])), max(1, int(timeout_seconds[1])))
+        self._backoff = backoff
+        self._rejected_retry = rejected_retry_seconds
+        self._node_name = backend.node_name
+        self._resume = ""
+        self._live = False
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._stream: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    @property
+    def resume_version(self) -> str:
+        """The resourceVersion the next watch request starts from ("" = list first)."""
+        return self._resume
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, listed_version: str = "") -> None:
+        """Start the thread. ``listed_version``: the caller just LISTed the node (and offered it
+        to the cache) at this version, so the thread watches from there without listing again."""
+        if self._thread is not None:
+            return
+        self._resume = listed_version
+        if listed_version:
+            self._set_live(True)
+        self._thread = threading.Thread(target=self._run, name="healthagent-node-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = STOP_JOIN_SECONDS) -> None:
+        self._stopping.set()
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.interrupt()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._live = False
+
+    # -- the thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0  # attempts in a row that made no progress
+        while not self._stopping.is_set():
+            try:
+                if not self._resume:
+                    self._relist()
+                progressed = self._follow()
+            except Exception as exc:  # noqa: BLE001 - every failure is classified in _failed
+                failures += 1
+                delay = self._failed(exc, failures)
+            else:
+                failures = 0 if progressed else failures + 1
+                delay = self._delay(failures)
+            if delay > 0:
+                self._stopping.wait(delay)
+
+    def _failed(self, exc: Exception, failures: int) -> float:
+        """Count and log a failed attempt; return how long to wait before the next one."""
+        self._set_live(False)
+        node = f"node={self._node_name}"
+        if isinstance(exc, (Expired, BadEvent)):
+            # the resume version, or the stream, cannot be trusted: list again - at once the
+            # first time, with backoff when it happens again and again
+            self._resume = ""
+            kind = "watch_expired" if isinstance(exc, Expired) else "watch_bad_event"
+            self._tally.count(kind, f"{node} {exc}; listing again")
+            return self._delay(failures - 1)
+        if isinstance(exc, ApiRejected):
+            self._tally.count(f"watch_rejected_{exc.status}",
+                              f"{node} watch/list refused ({exc}); reading the node instead, retrying "
+                              f"the watch every {self._rejected_retry:.0f} s")
+            return self._rejected_retry
+        if isinstance(exc, ApiError):
+            self._tally.count("watch_unavailable", f"{node} watch lost ({exc}); resuming from "
+                                                   f"resourceVersion {self._resume or '(list)'}")
+            return self._delay(failures)
+        # a bug here must not end the watch for good
+        self._tally.count("watch_internal", "watch step failed (see the traceback)")
+        log.error("effects %s watch internal error", node, exc_info=exc)
+        self._resume = ""
+        return self._delay(failures)
+
+    def _delay(self, failures: int) -> float:
+        if failures <= 0:
+            return 0.0
+        return jittered_backoff(failures - 1, self._backoff[0], self._backoff[1], self._rng)
+
+    def _relist(self) -> None:
+        node, version = self._backend.list_own_node()
+        if node is None:
+            self._tally.count("watch_node_missing", f"node={self._node_name} is not in the node list")
+            self._deleted(version)
+        else:
+            self._offer(node)
+        self._resume = version
+        self._set_live(True)
+        log.info("effects node=%s watch listed resourceVersion=%s", self._node_name, version)
+
+    def _follow(self) -> bool:
+        """One watch request, read until the server ends it. True if it made progress (events,
+        or a stream that lived a while): the next request then follows at once."""
+        stream = self._backend.watch_own_node(self._resume, self._rng.randint(*self._timeouts))
+        with self._lock:
+            self._stream = stream
+        opened, events = time.monotonic(), 0
+        try:
+            if self._stopping.is_set():
+                return True
+            self._set_live(True)
+            for line in stream.lines():
+                if self._stopping.is_set():
+                    break
+                if line.strip():
+                    self._handle(*parse_event(line))
+                    events += 1
+        except ApiError:
+            if self._stopping.is_set():
+                return True  # ``stop`` cut the stream: no failure to count
+            raise
+        finally:
+            with self._lock:
+                self._stream = None
+            stream.close()
+        return events > 0 or time.monotonic() - opened >= HEALTHY_STREAM_SECONDS
+
+    def _handle(self, kind: str, obj: dict) -> None:
+        if kind == "ERROR":  # the object is a Status
+            code = obj.get("code")
+            raise classify_status(code if isinstance(code, int) else 0, str(obj.get("reason") or ""),
+                                  str(obj.get("message") or ""))
+        version = resource_version(obj)
+        if kind == "BOOKMARK":
+            pass
+        elif obj["metadata"].get("name") != self._node_name:
+            self._tally.count("watch_foreign_object", f"the watch on {self._node_name} sent "
+                                                      f"{obj['metadata'].get('name')!r}; ignored")
+        elif kind in ("ADDED", "MODIFIED"):
+            self._offer(obj)
+        elif kind == "DELETED":
+            self._deleted(version)
+        else:
+            raise BadEvent(f"unknown watch event type {kind!r}")
+        if version:
+            self._resume = version
+
+    # -- the cache and the wake-up -----------------------------------------------------------------
+
+    def _offer(self, node: dict) -> None:
+        previous, kept = self._cache.offer(node)
+        if kept and self._owned(previous) != self._owned(node):
+            self._wake("node changed")
+
+    def _deleted(self, version: str) -> None:
+        if self._cache.forget(version) is not None:
+            log.warning("effects node=%s the Node object was deleted", self._node_name)
+            self._wake("node deleted")
+
+    def _set_live(self, live: bool) -> None:
+        was, self._live = self._live, live
+        if live and not was:
+            self._wake("watch live")
+
+    def _wake(self, why: str) -> None:
+        log.debug("effects node=%s watch wakes the effects: %s", self._node_name, why)
+        try:
+            self._on_change()
+        except Exception:  # the callback is the loop's; its failure must not end the watch
+            self._tally.count("watch_callback", "the effects wake-up callback failed (see the traceback)")
+            log.exception("effects node=%s on_change failed", self._node_name)
