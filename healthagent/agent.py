@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Mapping
 
 from healthagent import __version__
-from healthagent.config import Settings
+from healthagent.config import ConfigError, Settings, read_yaml
 from healthagent.model import (
-    Action,
     AgentSnapshot,
     Collection,
     EfaSample,
@@ -38,7 +38,7 @@ from healthagent.model import (
     XidCount,
     XidEvent,
 )
-from healthagent.sources.base import Source, SourceResult, read_boot_id
+from healthagent.sources.base import DeadlineSource, Source, SourceResult, read_boot_id
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +99,29 @@ class EffectsWorker:
         self._retry = retry_seconds
         self._on_status = on_status
         self._verdict: Verdict | None = None
+        self._health: tuple[SourceHealth, ...] = ()
         self._changed = threading.Event()
+        # The node watch wakes this worker when an operator or another controller changes what the
+        # effects own: a clear applies at once, not on the next retry.
+        if hasattr(effects, "on_change"):
+            effects.on_change = self._changed.set
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="healthagent-effects", daemon=True)
         self.status = KubeStatus()
         self.reconciles = 0
+        self.failures: Counter = Counter()  # exceptions that escaped NodeEffects, by step
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, verdict: Verdict) -> None:
+    def submit(self, verdict: Verdict, health: "tuple[SourceHealth, ...]" = ()) -> None:
+        """Hand over the newest verdict (and the sources' health, whose detail explains an
+        ``Unknown`` condition); wakes the worker only when the verdict means something new."""
         with self._lock:
             changed = self._verdict is None or _verdict_signature(self._verdict) != _verdict_signature(verdict)
             self._verdict = verdict
+            self._health = tuple(health)
         if changed:
             self._changed.set()
 
@@ -120,18 +129,21 @@ class EffectsWorker:
         try:
             self._set_status(self._effects.startup(self._clock(), self._boot_id))
         except Exception:  # the worker must survive anything the API or a bug throws
+            self.failures["startup_raised"] += 1
             log.exception("effects startup failed; will retry on the next reconcile")
         while not self._stopping.is_set():
             self._changed.wait(self._retry)
             self._changed.clear()
             with self._lock:
-                verdict = self._verdict
+                verdict, health = self._verdict, self._health
             if verdict is None:
                 continue
             try:
-                self._set_status(self._effects.reconcile(verdict, self._clock(), self._boot_id))
+                self._set_status(self._effects.reconcile(verdict, self._clock(), self._boot_id,
+                                                          health=health))
                 self.reconciles += 1
             except Exception:
+                self.failures["reconcile_raised"] += 1
                 log.exception("effects reconcile failed; desired state kept, retrying")
 
     def _set_status(self, status: KubeStatus) -> None:
@@ -142,11 +154,25 @@ class EffectsWorker:
     def stop(self, timeout: float) -> None:
         self._stopping.set()
         self._changed.set()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # started (an agent built but never run has nothing to join)
+            self._thread.join(timeout)
+        close = getattr(self._effects, "close", None)
+        if close is not None:
+            close()  # ends the node watch thread and its open request
+
+    def errors(self) -> dict[str, int]:
+        """Cumulative failures of the effects side by kind: NodeEffects' own tally (API refusals,
+        conflicts given up, budget counts that failed, internal errors, watch problems), Events
+        dropped from a full outbox, and exceptions that escaped to this worker."""
+        counts = dict(self._effects.errors)
+        counts["events_dropped"] = self._effects.ledger.dropped
+        counts.update(self.failures)
+        return counts
 
 
 def _verdict_signature(verdict: Verdict) -> tuple:
-    return (verdict.action, tuple((f.key, f.action, f.count) for f in verdict.findings))
+    return (verdict.action, verdict.unobserved,
+            tuple((f.key, f.action, f.count) for f in verdict.findings))
 
 
 class Agent:
@@ -177,11 +203,18 @@ class Agent:
         self.intake = intake
         self.clock = clock
         self.boot_id = read_boot_id(settings.host_root)
+        # What the node must have: the settings, else the instance type's row (sources/instance.py).
+        self.expected_gpus, self.expected_efa_devices = expected_inventory(settings)
+        log.info("expected inventory gpus=%s efa_devices=%s", self.expected_gpus, self.expected_efa_devices)
         self.wake = wake or threading.Event()
         self.xids = XidTally()
         self.verdict: Verdict | None = None
         self.cycles = 0
         self._health: dict[str, SourceHealth] = {}
+        self._source_errors: dict[str, Mapping[str, int]] = {}  # each source's own cumulative tally
+        self._raised: Counter = Counter()  # collect() calls that raised, by source (cumulative)
+        self.loop_errors: Counter = Counter()  # cycle / persist failures the loop survived
+        self.server = None  # the AgentServer ``run`` heartbeats (its refusals are exported)
         self._kube_status = KubeStatus(mode=settings.kube)
         self.effects_worker = (
             EffectsWorker(effects, self.boot_id, clock, on_status=self._on_kube_status) if effects else None
@@ -213,8 +246,8 @@ class Agent:
             collection = Collection(
                 timestamp=now, gpus=gpus, xids=enriched, efa=efa,
                 health=tuple(self._health.values()), boot_id=self.boot_id,
-                expected_gpus=self.settings.expected_gpus,
-                expected_efa_devices=self.settings.expected_efa_devices,
+                expected_gpus=self.expected_gpus,
+                expected_efa_devices=self.expected_efa_devices,
             )
             verdict = self.classifier.observe(collection)
             # The classifier drops the copies of one XID that several sources report (kmsg + NVML
@@ -245,12 +278,18 @@ class Agent:
         started = time.monotonic()
         try:
             result = source.collect(now)
+            self._source_errors[source.name] = result.health.errors
         except Exception as exc:  # a source bug must not stop the others
+            self._raised[source.name] += 1
             log.exception("source=%s collect raised", source.name)
-            result = SourceResult(health=SourceHealth(source=source.name, up=False, detail=repr(exc),
-                                                      errors={"exception": 1}))
+            result = SourceResult(health=SourceHealth(source=source.name, up=False, detail=repr(exc)))
         elapsed = time.monotonic() - started
-        self._health[source.name] = replace(result.health, duration_seconds=elapsed)
+        # source_errors_total is cumulative: the source's own tally (as last reported, also when it
+        # raised this time) plus the loop's count of raised collects, never a reset to 1.
+        errors = dict(self._source_errors.get(source.name, {}))
+        if self._raised[source.name]:
+            errors["exception"] = errors.get("exception", 0) + self._raised[source.name]
+        self._health[source.name] = replace(result.health, duration_seconds=elapsed, errors=errors)
         if self.telemetry is not None:
             self.telemetry.observe_collect(source.name, elapsed)
         return result
@@ -275,6 +314,7 @@ class Agent:
             self.state.put("boot_id", self.boot_id)
             self.state.flush()
         except Exception:
+            self.loop_errors["persist"] += 1
             log.exception("state save failed; the node object remains the record")
 
     def _set_verdict(self, verdict: Verdict) -> None:
@@ -287,7 +327,7 @@ class Agent:
                 previous is None or not previous.action.needs_node_action):
             self.intake.note_fault(verdict.timestamp)
         if self.effects_worker is not None:
-            self.effects_worker.submit(verdict)
+            self.effects_worker.submit(verdict, tuple(self._health.values()))
 
     def _on_kube_status(self, status: KubeStatus) -> None:
         self._kube_status = status
@@ -298,9 +338,31 @@ class Agent:
         self.telemetry.publish(AgentSnapshot(
             timestamp=now, gpus=gpus, efa=efa, xid_counts=self.xids.snapshot(),
             health=tuple(self._health.values()), verdict=self.verdict, kube=self._kube_status,
-            ready=self.ready, expected_gpus=self.settings.expected_gpus,
-            expected_efa_devices=self.settings.expected_efa_devices,
+            ready=self.ready, expected_gpus=self.expected_gpus,
+            expected_efa_devices=self.expected_efa_devices,
+            internal_errors=self.internal_errors(),
         ))
+
+    def internal_errors(self) -> dict[tuple[str, str], int]:
+        """Failures the agent survives but must show, cumulative by (component, kind): the state
+        file's tally (an unwritable file silently loses restart safety), the effects' tally, the
+        classifier's internal/restore errors, the HTTP server's refusals and the loop's own."""
+        counts: dict[tuple[str, str], int] = {}
+        parts: list[tuple[str, Mapping[str, int]]] = [
+            ("state", self.state.errors),
+            ("policy", {"internal": self.classifier.internal_errors,
+                        "restore": self.classifier.restore_errors}),
+            ("loop", self.loop_errors),
+        ]
+        if self.effects_worker is not None:
+            parts.append(("kube", self.effects_worker.errors()))
+        if self.server is not None:
+            parts.append(("http", self.server.errors))
+        for component, tally in parts:
+            for kind, value in tally.items():
+                if value:
+                    counts[(component, kind)] = int(value)
+        return counts
 
     @property
     def ready(self) -> bool:
@@ -325,12 +387,14 @@ class Agent:
     def run(self, stop: threading.Event, server=None) -> None:
         """Cycle until ``stop`` is set; then let the write in flight finish and save state."""
         self.start_effects()
+        self.server = server
         log.info("agent started version=%s node=%s kube=%s host_root=%s", __version__,
                  self.settings.node_name or "-", self.settings.kube, self.settings.host_root)
         while not stop.is_set():
             try:
                 self.cycle()
             except Exception:  # the loop outlives any bug in one cycle; the metric shows it
+                self.loop_errors["cycle"] += 1
                 log.exception("cycle failed")
             if server is not None:
                 server.heartbeat(self.clock())
@@ -355,10 +419,6 @@ def _close(source: Source) -> None:
         source.close()
     except Exception:
         log.exception("source=%s close failed", getattr(source, "name", "?"))
-
-
-def verdict_action(verdict: Verdict | None) -> Action:
-    return verdict.action if verdict else Action.NONE
 
 
 # -- assembly -------------------------------------------------------------------------------------
@@ -392,24 +452,39 @@ def activate_stub_nvml_if_demo(host_root: str) -> str | None:
     return scenario
 
 
+def expected_inventory(settings: Settings) -> tuple[int | None, int | None]:
+    """(GPUs, EFA devices) the node must have: each configured value, else the instance type's
+    (``sources/instance.py``); None where neither says."""
+    from healthagent.sources.instance import resolve_expected
+
+    return resolve_expected(settings.host_root, settings.expected_gpus, settings.expected_efa_devices,
+                            efa_from_table=settings.efa_expected_from_instance_type)
+
+
 def build_sources(settings: Settings, on_event: Callable[[], None] | None = None, kmsg_cursor=None):
     """The sources the settings ask for: (scheduled periodic sources, event sources, nvml)."""
     from healthagent.sources.efa import EfaSource
     from healthagent.sources.kmsg import KmsgSource
 
+    # Periodic sources run under a deadline (DeadlineSource): a wedged driver or filesystem must
+    # never hold the loop, which also reads the kernel log and drives the effects.
+    deadline = settings.source_timeout_seconds
     scheduled: list[Scheduled] = []
     nvml = None
     if settings.nvml:
         activate_stub_nvml_if_demo(settings.host_root)
         from healthagent.sources.nvml import NvmlSource
 
-        nvml = NvmlSource(expected_gpus=settings.expected_gpus, on_event=on_event)
-        scheduled.append(Scheduled(nvml, settings.nvml_interval_seconds))
-    scheduled.append(Scheduled(EfaSource(settings.host_root), settings.efa_interval_seconds))
+        nvml = NvmlSource(expected_gpus=expected_inventory(settings)[0], on_event=on_event)
+        # The loop drains nvml.take_events() itself (a queue, never a driver call).
+        scheduled.append(Scheduled(DeadlineSource(nvml, deadline), settings.nvml_interval_seconds))
+    scheduled.append(Scheduled(DeadlineSource(EfaSource(settings.host_root), deadline),
+                               settings.efa_interval_seconds))
     if settings.dcgm_url:
         from healthagent.sources.dcgm import DcgmSource
 
-        scheduled.append(Scheduled(DcgmSource(settings.dcgm_url, settings.dcgm_timeout_seconds),
+        dcgm = DcgmSource(settings.dcgm_url, settings.dcgm_timeout_seconds)
+        scheduled.append(Scheduled(DeadlineSource(dcgm, max(deadline, 2 * settings.dcgm_timeout_seconds)),
                                    settings.dcgm_interval_seconds))
     kmsg = KmsgSource(settings.host_root, settings.kernel_log, cursor=kmsg_cursor,
                       max_records_per_cycle=settings.kmsg_max_records_per_cycle)
@@ -434,19 +509,39 @@ def build_effects(settings: Settings, state):
     if settings.kube == "dry-run":
         return NodeEffects(settings, None, state)
     if not settings.node_name:
-        from healthagent.config import ConfigError
-
         raise ConfigError("node_name: the agent must know its own node; set NODE_NAME from the "
                           "downward API (spec.nodeName) or pass --node-name")
-    from kubernetes import client, config
+    return NodeEffects(settings, kube_api_client(settings), state)
 
+
+def kube_api_client(settings: Settings):
+    """The ``kubernetes`` ApiClient for kube=in-cluster or kubeconfig; a setup the client cannot
+    use is a ConfigError (one line naming the setting and the fix), never a traceback."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    configuration = client.Configuration()
     if settings.kube == "kubeconfig":
-        configuration = client.Configuration()
-        config.load_kube_config(config_file=settings.kubeconfig, client_configuration=configuration)
+        path = settings.kubeconfig or ""
+        # Read it first: the client answers a missing file, a file of another shape or broken
+        # YAML with a misleading message or a TypeError.
+        data = read_yaml(path, "kubeconfig", "--kubeconfig PATH", ConfigError)
+        if not isinstance(data, dict):
+            raise ConfigError(f"kubeconfig: {path!r} is not a kubeconfig (a mapping with clusters, "
+                              "users and contexts); fix --kubeconfig PATH")
+        try:
+            config.load_kube_config(config_file=path, client_configuration=configuration)
+        except ConfigException as exc:
+            raise ConfigError(f"kubeconfig: {path!r} cannot be used ({exc}); fix the file or "
+                              "--kubeconfig PATH") from None
     else:
-        configuration = client.Configuration()
-        config.load_incluster_config(client_configuration=configuration)
-    return NodeEffects(settings, client.ApiClient(configuration), state)
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except ConfigException as exc:
+            raise ConfigError(f"kube: in-cluster access needs the pod's service account and "
+                              f"KUBERNETES_SERVICE_HOST ({exc}); outside a cluster use --kube "
+                              "kubeconfig --kubeconfig PATH, --kube dry-run or --kube off") from None
+    return client.ApiClient(configuration)
 
 
 class AgentRuntime:
@@ -472,7 +567,8 @@ class AgentRuntime:
         self.intake = TrainingIntake(settings.training_max_jobs, settings.training_job_idle_seconds)
         self.telemetry.registry.register(self.intake)
         host, port = settings.listen_address()
-        self.server = AgentServer(self.telemetry, self.intake, host, port)
+        self.server = AgentServer(self.telemetry, self.intake, host, port,
+                                  training_token=settings.training_token)
         self.agent = Agent(
             settings, sources=scheduled, event_sources=event_sources, nvml=nvml,
             classifier=classifier, state=self.state, effects=build_effects(settings, self.state),
@@ -482,7 +578,12 @@ class AgentRuntime:
 
     def start(self) -> None:
         """Serve HTTP and run the loop on a background thread."""
-        self.server.start()
+        try:
+            self.server.start()
+        except OSError as exc:  # port in use, address not on this host, name that does not resolve
+            raise ConfigError(f"listen: cannot listen on {self.settings.listen} "
+                              f"({exc.strerror or exc}); choose a free port or an address of this "
+                              "host, e.g. --listen 0.0.0.0:9410") from None
         self._thread = threading.Thread(target=self.agent.run, args=(self.stop_event, self.server),
                                         name="healthagent-loop", daemon=True)
         self._thread.start()

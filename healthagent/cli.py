@@ -1,7 +1,8 @@
 """Command line: ``healthagent run|check|classify|explain|demo`` (the stable CLI of ARCHITECTURE.md).
 
 Exit codes of ``check``: 0 healthy, 1 degraded (monitor..reset_gpu), 2 node action required
-(reboot_node, replace_node), 3 could not run. Config errors print one line naming the key and the
+(reboot_node, replace_node), 3 could not run (a config error, or the GPUs could not be observed
+while NVML was asked for and nothing seen demands a node action). Config errors print one line naming the key and the
 fix and exit 3 for every command.
 
 Imports of heavy or cluster-only modules (``kubernetes``, ``grafanalib``) stay inside the commands
@@ -11,18 +12,26 @@ that need them, so ``check`` and ``classify`` start fast on a bare node image.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
-import re
+import os
+import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any, Iterable
 
 from healthagent import __version__
 from healthagent.config import ConfigError, Settings, load_settings
+from healthagent.model import natural_key
 
 EXIT_CANNOT_RUN = 3
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a Unix tool whose reader left
+
+
+class CannotRun(Exception):
+    """A command cannot do its job (an input file that cannot be read); ``str()`` is one line."""
 
 
 def _add_host_flags(p: argparse.ArgumentParser) -> None:
@@ -36,6 +45,9 @@ def _add_host_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-nvml", dest="nvml", action="store_const", const="false",
                    help="do not read NVML (no driver on this host)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
+                   help="any setting by its name in healthagent/config.py (as in the YAML file), "
+                        "e.g. --set source_timeout_seconds=10; repeatable; a dedicated flag wins")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,9 +99,26 @@ _SETTING_FLAGS = ("host_root", "kernel_log", "policy_file", "dcgm_url", "expecte
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
-    flags = {k: getattr(args, k) for k in _SETTING_FLAGS if getattr(args, k, None) is not None}
+    flags = parse_set_values(getattr(args, "set_values", None) or [])
+    flags.update({k: getattr(args, k) for k in _SETTING_FLAGS if getattr(args, k, None) is not None})
     flags.update(overrides)
     return load_settings(flags=flags, config_file=getattr(args, "config", None))
+
+
+def parse_set_values(items: list[str]) -> dict[str, str]:
+    """``--set KEY=VALUE`` items as flags for ``load_settings`` (which converts and validates the
+    values exactly as it does the YAML file's and the environment's)."""
+    known = {f.name for f in fields(Settings)}
+    values: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or not key:
+            raise ConfigError(f"--set {item!r}: use KEY=VALUE, e.g. --set source_timeout_seconds=10")
+        if key not in known:
+            raise ConfigError(f"--set {item!r}: {key!r} is not a setting; valid keys: " + ", ".join(sorted(known)))
+        values[key] = value
+    return values
 
 
 def _setup_logging(level: str) -> None:
@@ -114,7 +143,16 @@ def cmd_classify(args: argparse.Namespace) -> int:
     from healthagent.sources.kmsg import iter_events
 
     _, catalog = _catalog(args.policy_file)
-    stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8", errors="replace")
+    if args.file == "-":
+        # Decode stdin as the file path does: undecodable bytes become U+FFFD, never lone
+        # surrogates (the locale's surrogateescape) that would leak into the JSON.
+        stream = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
+    else:
+        try:
+            stream = open(args.file, encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise CannotRun(f"classify: cannot read {args.file!r} ({exc.strerror}); pass a file of "
+                            "kernel-log text (dmesg, journalctl -k) or - for stdin") from None
     with stream:
         for event in iter_events(stream, time.time()):
             print(json.dumps(classify_event(event, catalog), sort_keys=True))
@@ -133,10 +171,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def collect_once(settings: Settings):
     """One collection from every configured source, as ``check`` and the demo show it."""
-    from healthagent.agent import build_sources
+    from healthagent.agent import build_sources, expected_inventory
     from healthagent.model import Collection
 
     now = time.time()
+    expected = expected_inventory(settings)  # configured, else from the instance type
     scheduled, event_sources, nvml = build_sources(settings)
     results = [item.source.collect(now) for item in scheduled]
     results += [source.collect(now) for source in event_sources]
@@ -149,8 +188,7 @@ def collect_once(settings: Settings):
     xids = tuple(enrich_xid(x, gpus) for r in results for x in r.xids)
     return Collection(
         timestamp=now, gpus=gpus, xids=xids, efa=tuple(s for r in results for s in r.efa),
-        health=tuple(r.health for r in results), expected_gpus=settings.expected_gpus,
-        expected_efa_devices=settings.expected_efa_devices,
+        health=tuple(r.health for r in results), expected_gpus=expected[0], expected_efa_devices=expected[1],
     )
 
 
@@ -162,20 +200,43 @@ def _table(rows: Iterable[Iterable[Any]], header: list[str]) -> str:
     return "\n".join(out)
 
 
-def _natural_key(name: str) -> tuple:
-    """Sort ``rdmap79s0`` before ``rdmap113s0`` (numbers by value), as a person reads them."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
-
-
 def _finding_subject(f) -> str:
     if f.gpu_index is not None:
         return f"GPU {f.gpu_index} ({f.pci_bus_id})" if f.pci_bus_id else f"GPU {f.gpu_index}"
     return f.pci_bus_id or f.efa_device or "node"
 
 
-def render_check(collection, verdict) -> str:
-    """The report a person reads on a suspect node: what was read, then each finding as a block
-    (what, why, the evidence, what to do next), most severe first."""
+def check_exit_code(verdict, nvml_asked: bool) -> int:
+    """``check``'s exit code: the verdict's 0/1/2, but 3 (could not run) when the GPUs could not be
+    observed and NVML was asked for, because "no finding" about GPUs nobody saw is not "healthy".
+    A finding that already demands a node action stands (2): what was seen is enough to act on."""
+    if verdict.action.needs_node_action:
+        return 2
+    if "gpu" in verdict.unobserved and nvml_asked:
+        return EXIT_CANNOT_RUN
+    return verdict.exit_code
+
+
+_UNOBSERVED_WORDS = {"gpu": ("GPUs could not be observed", ("nvml", "dcgm")),
+                     "efa": ("EFA devices could not be observed", ("efa",)),
+                     "kernel_log": ("The kernel log could not be read", ("kmsg",))}
+
+
+def _unobserved_lines(collection, verdict) -> list[str]:
+    lines = []
+    for part in verdict.unobserved:
+        title, sources = _UNOBSERVED_WORDS.get(part, (f"{part} could not be observed", ()))
+        why = "; ".join(f"{h.source} {h.detail}".rstrip() for h in collection.health
+                        if h.source in sources and not h.up)
+        if not why and part == "gpu":
+            why = f"no GPU source is configured, and {collection.expected_gpus} GPUs are expected"
+        lines.append(f"{title}: {why or 'no source answered'}")
+    return lines
+
+
+def render_check(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0) -> str:
+    """The report a person reads on a suspect node: what was read, what could not be seen, then
+    each finding as a block (what, why, the evidence, what to do next), most severe first."""
     lines = [f"GPUs: {len(collection.gpus)} read"]
     lines.append(_table(
         ([g.index, g.pci_bus_id, g.uuid, g.name, "LOST" if g.lost else "ok", g.temperature_c,
@@ -183,15 +244,21 @@ def render_check(collection, verdict) -> str:
          for g in collection.gpus),
         ["GPU", "PCI", "UUID", "MODEL", "STATE", "TEMP_C", "POWER_W", "DBE_AGG", "REMAP_PENDING",
          "REMAP_FAILURE"]))
-    devices = sorted({s.device for s in collection.efa}, key=_natural_key)
+    devices = sorted({s.device for s in collection.efa}, key=natural_key)
     lines.append("")
     lines.append(f"EFA devices: {len(devices)} read" + (f" ({devices[0]} .. {devices[-1]})" if devices else ""))
     lines.append("Sources:")
     lines.extend(f"  {h.source:<5} {'up' if h.up else 'DOWN':<4} {h.detail}".rstrip()
                  for h in collection.health)
     lines.append(f"XID events in the kernel log / NVML: {len(collection.xids)}")
+    if earlier_boot_xids:
+        lines.append(f"{earlier_boot_xids} XID events from earlier boots (not judged)")
+    lines.extend(_unobserved_lines(collection, verdict))
     lines.append("")
-    meaning = {0: "healthy", 1: "degraded", 2: "node action required"}[verdict.exit_code]
+    code = verdict.exit_code if exit_code is None else exit_code
+    meaning = {0: "healthy", 1: "degraded", 2: "node action required", 3: "could not run"}[code]
+    if verdict.unobserved and code in (0, 1):
+        meaning += " as far as seen; not observed: " + ", ".join(verdict.unobserved)
     lines.append(f"Verdict: {verdict.action.value} ({meaning})")
     for f in verdict.findings:
         lines.append("")
@@ -202,7 +269,7 @@ def render_check(collection, verdict) -> str:
     return "\n".join(lines)
 
 
-def check_json(collection, verdict) -> dict[str, Any]:
+def check_json(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0) -> dict[str, Any]:
     def finding(f):
         d = asdict(f)
         d["action"] = f.action.value
@@ -210,12 +277,14 @@ def check_json(collection, verdict) -> dict[str, Any]:
 
     return {
         "verdict": verdict.action.value,
-        "exit_code": verdict.exit_code,
+        "exit_code": verdict.exit_code if exit_code is None else exit_code,
+        "unobserved": list(verdict.unobserved),
         "findings": [finding(f) for f in verdict.findings],
         "gpus": [asdict(g) for g in collection.gpus],
         "efa_devices": sorted({s.device for s in collection.efa}),
         "sources": [asdict(h) for h in collection.health],
         "xid_events": len(collection.xids),
+        "xid_events_earlier_boots": earlier_boot_xids,
     }
 
 
@@ -227,11 +296,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     classifier = build_classifier(settings)
     collection = collect_once(settings)
     verdict = classifier.observe(collection)
+    code = check_exit_code(verdict, nvml_asked=settings.nvml)
+    earlier = len(classifier.earlier_boot_xids)
     if args.json:
-        print(json.dumps(check_json(collection, verdict), indent=2, sort_keys=True, default=str))
+        print(json.dumps(check_json(collection, verdict, code, earlier), indent=2, sort_keys=True, default=str))
     else:
-        print(render_check(collection, verdict))
-    return verdict.exit_code
+        print(render_check(collection, verdict, code, earlier))
+    return code
 
 
 # -- run / demo -----------------------------------------------------------------------------------
@@ -262,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"healthagent: config error: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    except CannotRun as exc:
+        print(f"healthagent: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except BrokenPipeError:
+        # The reader went away (``healthagent classify ... | head``): stop quietly, as Unix tools
+        # do. Point stdout at /dev/null so the interpreter's last flush cannot complain again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # policy file errors and the like: one line, exit 3
         if type(exc).__name__ in ("PolicyError",):
             print(f"healthagent: policy error: {exc}", file=sys.stderr)

@@ -12,11 +12,16 @@ does not start.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import yaml
+
+from healthagent.kube_syntax import label_selector_problem, qualified_name_problem
 
 ENV_PREFIX = "HEALTHAGENT_"
 KUBE_MODES = ("in-cluster", "kubeconfig", "dry-run", "off")
@@ -46,13 +51,17 @@ class Settings:
     efa_interval_seconds: float = _setting(10.0, "seconds between EFA sysfs collections")
     kmsg_poll_seconds: float = _setting(0.1, "seconds between kernel-log reads when idle")
     kmsg_max_records_per_cycle: int = _setting(50_000, "kernel-log records handled per read before yielding")
-    dcgm_url: str | None = _setting(None, "dcgm-exporter /metrics URL; unset = off")
+    dcgm_url: str | None = _setting(None, "dcgm-exporter /metrics URL; unset = off",
+                                    "use http(s)://HOST[:PORT]/PATH, e.g. http://localhost:9400/metrics")
     dcgm_interval_seconds: float = _setting(30.0, "seconds between dcgm-exporter scrapes")
     dcgm_timeout_seconds: float = _setting(2.0, "dcgm-exporter scrape timeout")
     expected_gpus: int | None = _setting(None, "GPUs this node must have; fewer is GPU_MISSING")
     expected_efa_devices: int | None = _setting(None, "EFA devices this node must have (p5.48xlarge: 32)")
+    efa_expected_from_instance_type: bool = _setting(
+        False, "expect every EFA interface the instance type supports (fleets that attach them all)")
     policy_file: str | None = _setting(None, "YAML policy overrides (XID actions, thresholds, rules)")
-    state_file: str = _setting("/var/lib/healthagent/state.json", "state that survives restarts")
+    state_file: str = _setting("/var/lib/healthagent/state.json", "state that survives restarts",
+                               "set a file path on a hostPath volume, e.g. /var/lib/healthagent/state.json")
     taint_key: str = _setting("healthagent.io/unhealthy", "taint key the agent owns",
                               "use a key under healthagent.io/")
     replace_noexecute_grace_seconds: float = _setting(
@@ -61,11 +70,21 @@ class Settings:
                                           "use a fraction between 0 and 1, e.g. 0.1")
     budget_max_nodes: int | None = _setting(None, "largest number of GPU nodes that may carry the taint")
     budget_node_selector: str = _setting("nvidia.com/gpu.present=true",
-                                         "label selector that counts the cluster's GPU nodes")
+                                         "label selector that counts the cluster's GPU nodes",
+                                         "use the API's selector syntax, e.g. nvidia.com/gpu.present=true "
+                                         "or node.kubernetes.io/instance-type in (p5.48xlarge)")
     hyperpod_labels: bool = _setting(False, "also set sagemaker.amazonaws.com/node-health-status")
     training_max_jobs: int = _setting(64, "distinct training jobs tracked at once")
     training_job_idle_seconds: float = _setting(3600.0, "forget a training job idle this long")
     log_level: str = _setting("INFO", "logging level", "use DEBUG, INFO, WARNING or ERROR")
+    source_timeout_seconds: float = _setting(
+        5.0, "longest wait for one NVML/EFA/dcgm collection before the source is reported hung "
+             "(dcgm gets at least twice dcgm_timeout_seconds)")
+    # repr=False: a secret must not reach a log line through a printed Settings.
+    training_token: str = field(default="", repr=False, metadata={
+        "help": "shared token that POST /v1/training must present as 'Authorization: Bearer TOKEN' "
+                "(empty = no authentication); set HEALTHAGENT_TRAINING_TOKEN from a Secret",
+        "fix": "use printable ASCII without spaces, e.g. the output of 'openssl rand -hex 32'"})
 
     def listen_address(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
@@ -105,7 +124,11 @@ def _convert(key: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
         if kind == "float":
             if isinstance(value, bool):
                 raise ValueError
-            return float(str(value).strip())
+            number = float(str(value).strip())
+            if not math.isfinite(number):  # nan/inf pass every comparison check silently
+                raise ConfigError(f"{where}={value!r} is not a finite number; "
+                                  f"{f.metadata['fix'] or f.metadata['help']}")
+            return number
         if isinstance(value, (dict, list)):
             raise ValueError
         return str(value)
@@ -131,8 +154,24 @@ def _validate(s: Settings) -> None:
         raise bad("budget_max_fraction", f"{s.budget_max_fraction} is outside 0..1")
     if not s.taint_key.startswith("healthagent.io/"):
         raise bad("taint_key", f"{s.taint_key!r} is not under healthagent.io/")
+    problem = qualified_name_problem(s.taint_key)
+    if problem:
+        raise bad("taint_key", f"{s.taint_key!r} is not a valid Kubernetes key: {problem}")
+    problem = label_selector_problem(s.budget_node_selector)
+    if problem:
+        raise bad("budget_node_selector", f"{s.budget_node_selector!r} is not a label selector: {problem}")
+    if not s.state_file.strip():
+        raise bad("state_file", "is empty")
+    if os.path.isdir(s.state_file):
+        raise bad("state_file", f"{s.state_file!r} is a directory, not a file")
+    if s.dcgm_url is not None:
+        problem = _http_url_problem(s.dcgm_url)
+        if problem:
+            raise bad("dcgm_url", f"{s.dcgm_url!r} {problem}")
+    if not re.fullmatch(r"[\x21-\x7e]*", s.training_token):
+        raise bad("training_token", "contains spaces or characters an HTTP header cannot carry")
     for key in ("nvml_interval_seconds", "efa_interval_seconds", "kmsg_poll_seconds",
-                "dcgm_interval_seconds", "dcgm_timeout_seconds"):
+                "dcgm_interval_seconds", "dcgm_timeout_seconds", "source_timeout_seconds"):
         if getattr(s, key) <= 0:
             raise ConfigError(f"{key}: must be greater than 0 seconds")
     if s.replace_noexecute_grace_seconds < 0:
@@ -152,6 +191,22 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"host_root: {s.host_root!r} is not a directory; pass --host-root DIR")
 
 
+def _http_url_problem(url: str) -> str | None:
+    """Why ``url`` is not http(s)://HOST[:PORT]/PATH, or None."""
+    if any(ch.isspace() for ch in url):
+        return "contains whitespace"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return "is not an http:// or https:// URL"
+    if not parts.hostname:
+        return "has no host"
+    try:
+        parts.port
+    except ValueError:
+        return "has an invalid port"
+    return None
+
+
 def read_yaml(path: str, what: str, flag: str, error: type[Exception]) -> Any:
     """Parse a YAML file or raise ``error`` with one line naming the file, the problem and the fix.
 
@@ -163,6 +218,8 @@ def read_yaml(path: str, what: str, flag: str, error: type[Exception]) -> Any:
             return yaml.safe_load(fh)
     except OSError as exc:
         raise error(f"{what}: cannot read {path!r} ({exc.strerror}); fix {flag}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{what}: {path!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""

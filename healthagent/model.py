@@ -82,6 +82,18 @@ def canonical_pci_bus_id(raw: str) -> str | None:
     )
 
 
+def natural_key(name: str) -> tuple:
+    """Sort key that puts ``rdmap79s0`` before ``rdmap113s0`` (numbers by value, so PCI bus
+    order), as a person reads device names. Shared by the EFA source and ``check``'s report."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+# NVIDIA's catalog: XID 79 = GPU_HAS_FALLEN_OFF_THE_BUS. The kernel logs "fallen off the bus"
+# without an XID number; sources report it as ``XidEvent(kind="fallen_off_bus", xid=79)`` and
+# policy counts it under this XID.
+FALLEN_OFF_BUS_XID = 79
+
+
 @dataclass(frozen=True)
 class EccCounts:
     """ECC error counts of one GPU. None = not supported / ECC disabled."""
@@ -167,6 +179,10 @@ class XidEvent:
     compute_instance: int | None = None
     seq: int | None = None
     boot_id: str = ""
+    # Logged during an earlier boot (a kernel-log *file* line stamped before this boot began): the
+    # classifier counts it as history and never opens a finding from it, because that boot's
+    # faults were dealt with by the reboot (or the repair) that followed.
+    previous_boot: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,12 +272,18 @@ class Verdict:
     action: Action
     findings: tuple[Finding, ...]
     timestamp: float
+    # Subsystems this verdict could not see, so "no finding" there means "unknown", not "healthy":
+    # "gpu" (no GPU source up while GPUs are expected or a GPU source is configured), "efa" (the
+    # EFA source is down), "kernel_log" (the kernel-log source is down). Sorted, no repeats.
+    unobserved: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, findings: "tuple[Finding, ...] | list[Finding]", timestamp: float) -> "Verdict":
+    def of(cls, findings: "tuple[Finding, ...] | list[Finding]", timestamp: float,
+           unobserved: "tuple[str, ...] | list[str]" = ()) -> "Verdict":
         ordered = tuple(sorted(findings, key=lambda f: (-f.action.severity, f.code, f.subject)))
         action = ordered[0].action if ordered else Action.NONE
-        return cls(action=action, findings=ordered, timestamp=timestamp)
+        return cls(action=action, findings=ordered, timestamp=timestamp,
+                   unobserved=tuple(sorted(set(unobserved))))
 
     @property
     def exit_code(self) -> int:
@@ -301,6 +323,9 @@ class KubeStatus:
     # "taint-removed-<time>" when the agent's taint was removed by hand). When it changes, the
     # loop calls the classifier's ``clear()`` once and remembers the token in its state.
     clear_token: str = ""
+    # The watch on the agent's own node is live (its copy of the node is as fresh as a read).
+    # False in dry-run and while the watch is down (the effects then read the node on a timer).
+    watching: bool = False
 
 
 @dataclass(frozen=True)
@@ -319,3 +344,6 @@ class AgentSnapshot:
     # Inventory the node must have (Settings.expected_gpus / expected_efa_devices); None = unknown.
     expected_gpus: int | None = None
     expected_efa_devices: int | None = None
+    # Failures the agent survived, cumulative by (component, kind): component state | kube |
+    # policy | http | loop. Exported as healthagent_internal_errors_total.
+    internal_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)

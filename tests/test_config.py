@@ -54,3 +54,86 @@ def test_broken_yaml(tmp_path):
     cfg.write_text("a: [1,\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_settings(env={}, config_file=str(cfg))
+
+
+@pytest.mark.parametrize("key", ["budget_max_fraction", "nvml_interval_seconds", "source_timeout_seconds",
+                                 "replace_noexecute_grace_seconds", "training_job_idle_seconds"])
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e999"])
+def test_non_finite_floats_are_refused(key, value):
+    """nan compares false with every bound, so without this check it would pass validation."""
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={f"HEALTHAGENT_{key.upper()}": value})
+    line = str(err.value)
+    assert f"HEALTHAGENT_{key.upper()}" in line and "not a finite number" in line and "\n" not in line
+
+
+def test_non_finite_floats_from_yaml_are_refused(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("budget_max_fraction: .nan\n")
+    with pytest.raises(ConfigError, match="budget_max_fraction.*not a finite number"):
+        load_settings(env={}, config_file=str(cfg))
+
+
+@pytest.mark.parametrize("settings,needle,fix", [
+    ({"taint_key": "healthagent.io/"}, "taint_key", "healthagent.io/"),
+    ({"taint_key": "healthagent.io/has space"}, "taint_key", "healthagent.io/"),
+    ({"taint_key": "healthagent.io/-dash-first"}, "taint_key", "healthagent.io/"),
+    ({"taint_key": "healthagent.io/a/b"}, "taint_key", "healthagent.io/"),
+    ({"taint_key": "healthagent.io/" + "x" * 64}, "taint_key", "healthagent.io/"),
+    ({"budget_node_selector": "a=b,"}, "budget_node_selector", "selector syntax"),
+    ({"budget_node_selector": "nvidia.com/gpu.present===true"}, "budget_node_selector", "selector syntax"),
+    ({"budget_node_selector": "a in ()"}, "budget_node_selector", "selector syntax"),
+    ({"budget_node_selector": "a in (x"}, "budget_node_selector", "selector syntax"),
+    ({"budget_node_selector": "Bad_Prefix.com/x=1"}, "budget_node_selector", "selector syntax"),
+    ({"budget_node_selector": "gpu=yes please"}, "budget_node_selector", "selector syntax"),
+    ({"budget_node_selector": "count>many"}, "budget_node_selector", "selector syntax"),
+    ({"budget_node_selector": "!a=b"}, "budget_node_selector", "selector syntax"),
+    ({"state_file": ""}, "state_file", "hostPath"),
+    ({"state_file": "   "}, "state_file", "hostPath"),
+    ({"dcgm_url": "localhost:9400/metrics"}, "dcgm_url", "http(s)://HOST[:PORT]/PATH"),
+    ({"dcgm_url": "ftp://localhost/metrics"}, "dcgm_url", "http(s)://HOST[:PORT]/PATH"),
+    ({"dcgm_url": "http:///metrics"}, "dcgm_url", "http(s)://HOST[:PORT]/PATH"),
+    ({"dcgm_url": "http://localhost:99999/metrics"}, "dcgm_url", "http(s)://HOST[:PORT]/PATH"),
+    ({"dcgm_url": "http://local host/metrics"}, "dcgm_url", "http(s)://HOST[:PORT]/PATH"),
+    ({"training_token": "two words"}, "training_token", "printable ASCII"),
+    ({"source_timeout_seconds": "0"}, "source_timeout_seconds", "greater than 0"),
+])
+def test_values_kubernetes_or_the_agent_would_reject_later_fail_at_start(settings, needle, fix):
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={}, flags=settings)
+    line = str(err.value)
+    assert line.startswith(needle) and fix in line and "\n" not in line
+
+
+def test_a_directory_is_not_a_state_file(tmp_path):
+    with pytest.raises(ConfigError, match="state_file: .* is a directory"):
+        load_settings(env={}, flags={"state_file": str(tmp_path)})
+
+
+def test_the_training_token_never_appears_in_an_error_or_a_repr():
+    secret = "s3cret token"
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"HEALTHAGENT_TRAINING_TOKEN": secret})
+    assert "s3cret" not in str(err.value)
+    settings = load_settings(env={"HEALTHAGENT_TRAINING_TOKEN": "s3cret-token"})
+    assert settings.training_token == "s3cret-token" and "s3cret" not in repr(settings)
+
+
+@pytest.mark.parametrize("settings", [
+    {"taint_key": "healthagent.io/unhealthy"},
+    {"taint_key": "healthagent.io/gpu.health_v2"},
+    {"budget_node_selector": ""},
+    {"budget_node_selector": "nvidia.com/gpu.present=true"},
+    {"budget_node_selector": "nvidia.com/gpu.present==true,!node-role.kubernetes.io/control-plane"},
+    {"budget_node_selector": "node.kubernetes.io/instance-type in (p5.48xlarge, p4d.24xlarge),tier notin (cpu)"},
+    {"budget_node_selector": "gpus>0,empty="},
+    {"dcgm_url": "http://localhost:9400/metrics"},
+    {"dcgm_url": "https://[fd00::1]:9400/metrics"},
+    {"dcgm_url": ""},  # unset: off
+    {"training_token": "0123456789abcdef"},
+    {"source_timeout_seconds": "0.5"},
+])
+def test_valid_values_are_accepted(settings):
+    s = load_settings(env={}, flags=settings)
+    for key, value in settings.items():
+        assert str(getattr(s, key) or "") == str(float(value) if key.endswith("_seconds") else value)

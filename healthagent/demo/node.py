@@ -17,6 +17,8 @@ What is written (paths under the root):
   PCI enumeration of the GPUs and EFAs, the NVIDIA driver loading, no XIDs.
 - ``proc/sys/kernel/random/boot_id``, ``proc/uptime`` and ``proc/stat`` (with ``btime``), so
   record times (boot time + USEC) line up with the wall clock.
+- ``sys/devices/virtual/dmi/id/product_name``: ``p5.48xlarge``, as a Nitro instance's firmware
+  says, so the agent expects 8 GPUs and 32 EFA devices without any setting.
 - ``nvml-scenario.json``: a copy of the stub NVML library's bundled 8 x H100 scenario.
 
 ``DemoNode`` then changes the node the way faults do: ``inject_xid`` appends the records the
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from healthagent.model import canonical_pci_bus_id
+from healthagent.sources.instance import PRODUCT_NAME
 
 # Counter files of the amzn EFA driver by scope (shared/reference/efa-counters.txt).
 EFA_PORT_COUNTERS: tuple[str, ...] = (
@@ -68,6 +71,7 @@ P5_GPU_BUSES: tuple[int, ...] = (0x53, 0x64, 0x75, 0x86, 0x97, 0xA8, 0xB9, 0xCA)
 P5_EFA_BUSES: tuple[int, ...] = tuple(bus - k for bus in P5_GPU_BUSES for k in (4, 3, 2, 1))
 
 SCENARIO_FILE = "nvml-scenario.json"
+INSTANCE_TYPE = "p5.48xlarge"  # its row in healthagent/policy/instance_types.csv: 8 GPUs, 32 EFA
 KERNEL_LOG = "dev/kmsg"
 DEFAULT_DRIVER_VERSION = "535.183.01"
 UPTIME_SECONDS = 7245.31  # the demo node booted two hours before the demo starts
@@ -459,6 +463,8 @@ def build_demo_root(root: Path) -> DemoNode:
     _write(root / "proc" / "sys" / "kernel" / "random" / "boot_id", boot_id + "\n")
     _write(root / "proc" / "uptime", f"{uptime:.2f} {uptime * 180:.2f}\n")
     _write(root / "proc" / "stat", _proc_stat(int(built_at - uptime), uptime))
+    # What a Nitro instance's firmware says; the agent reads its expected inventory from it.
+    _write(root / PRODUCT_NAME.lstrip("/"), INSTANCE_TYPE + "\n")
 
     return DemoNode(
         root=root, efa_devices=efa_devices, gpu_pci_bus_ids=[g["pci_bus_id"] for g in gpus],

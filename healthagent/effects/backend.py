@@ -93,8 +93,16 @@ class ApiBackend:
     def patch_node_status(self, patch: dict) -> dict:
         return self._call(self.core.patch_node_status, self.node_name, patch, _content_type=STRATEGIC_MERGE)
 
-    def list_nodes(self, label_selector: str) -> list[dict]:
-        return _items(self._call(self.core.list_node, label_selector=label_selector))[0]
+    def list_nodes(self, label_selector: str, not_older_than: str = "") -> list[dict]:
+        """The nodes matching ``label_selector``, from the API server's watch cache, never a quorum
+        read from etcd (the budget's counts; see ``effects/budget.py``): ``resourceVersion=0``
+        (any cached state), or with ``not_older_than`` a list at least as new as that version
+        (``resourceVersionMatch=NotOlderThan``; the server waits briefly for its cache, then 504)."""
+        if not_older_than:
+            versions = dict(resource_version=not_older_than, resource_version_match="NotOlderThan")
+        else:
+            versions = dict(resource_version="0")
+        return _items(self._call(self.core.list_node, label_selector=label_selector, **versions))[0]
 
     def list_own_node(self) -> tuple[dict | None, str]:
         """The node through a LIST by name: (the node or None, the list's resourceVersion).
@@ -280,7 +288,7 @@ class DryRunBackend:
         self._bump()
         return self.read_node()
 
-    def list_nodes(self, label_selector: str) -> list[dict]:
+    def list_nodes(self, label_selector: str, not_older_than: str = "") -> list[dict]:
         log.info("dry_run=1 budget=unchecked selector=%s (no cluster view in dry-run)", label_selector)
         return []
 

@@ -1,6 +1,8 @@
 """``events.k8s.io/v1`` Events on the node: what to say, and saying each thing exactly once.
 
-Every Event has a key (``finding/<Finding.key>``, ``cleared/<time>``, ``budget/<finding key>``).
+Every Event has a key (``finding/<Finding.key>`` when a finding is first reported,
+``finding/<Finding.key>/<action>`` when it escalates to a more severe action, ``cleared/<time>``,
+``budget/<finding key>``): one Event per (finding, action).
 The ledger keeps the keys already delivered (bounded, oldest forgotten first) and an outbox of
 Events decided but not yet delivered (the API server may be down), both in the state file, so a
 restart neither repeats nor loses one. The Event's object name is derived from the node and the
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from healthagent.model import Finding
+from healthagent.model import Action, Finding
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ class EventSpec:
     key: str
     type: str  # Normal | Warning
     reason: str  # the finding code, or Cleared / TaintBlockedByBudget
-    action: str  # what the agent did: Detected, Cleared, TaintHeldBack
+    action: str  # what the agent did: Detected, Escalated, Cleared, TaintHeldBack
     note: str
     at: float
 
@@ -49,11 +51,26 @@ class EventSpec:
 
 
 def finding_event(finding: Finding, now: float) -> EventSpec:
-    note = f"[{finding.action.value}] {finding.summary}. Evidence: {finding.evidence}"
+    """The Event that first reports a finding."""
+    return EventSpec(key=f"finding/{finding.key}", type=WARNING, reason=finding.code,
+                     action="Detected", note=_finding_note(finding, ""), at=now)
+
+
+def escalation_event(finding: Finding, previous: Action, now: float) -> EventSpec:
+    """The Event for a finding whose action became more severe than the one already reported
+    (XID 79 then XID 94 on the same GPU: one incident, reboot_node then replace_node). Its key
+    names the new action, so each (finding, action) is reported exactly once."""
+    return EventSpec(key=f"finding/{finding.key}/{finding.action.value}", type=WARNING,
+                     reason=finding.code, action="Escalated",
+                     note=_finding_note(finding, f"escalated from {previous.value} to "
+                                                 f"{finding.action.value}: "), at=now)
+
+
+def _finding_note(finding: Finding, lead: str) -> str:
+    note = f"[{finding.action.value}] {lead}{finding.summary}. Evidence: {finding.evidence}"
     if finding.next_steps:
         note += f" Next: {finding.next_steps}"
-    return EventSpec(key=f"finding/{finding.key}", type=WARNING, reason=finding.code,
-                     action="Detected", note=clip_note(note), at=now)
+    return clip_note(note)
 
 
 def clip_note(text: str) -> str:

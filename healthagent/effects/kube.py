@@ -16,7 +16,9 @@ one open watch. While the watch is down, the effects fall back to reading the no
 planning, at most every ``resync_seconds``; a 409 on a write always re-reads.
 
 One reconcile:
-  1. queue an Event for every open finding not reported yet (the ledger makes it once per key);
+  1. queue an Event for every open finding not reported yet, and one more when a finding's action
+     became more severe (an escalation: one Event per finding and action; the record and the
+     ledger make it once, the Event's deterministic name once across a lost state write);
   2. with the watch live, notice in the cached node what operators did (the
      ``healthagent.io/clear`` annotation, the agent's taint removed by hand, a recreated Node
      object) and adopt what the node records;
@@ -28,6 +30,13 @@ One reconcile:
      (``/status``, same rules); after ADDING the taint, re-count the budget and roll back if this
      node is the newest past the limit;
   5. deliver the queued Events, save the record to the state file.
+
+What the verdict could not see (``Verdict.unobserved``) is never taken for health: a condition
+without findings whose area is unobserved says ``Unknown`` (``GpuNotObserved``,
+``EfaNotObserved``), the health label says ``unknown`` instead of ``healthy``, and a reboot taint
+already on the node stays while the subsystem its finding came from is unobserved (a driver that
+stopped answering is not a recovery: no removal, no ``Cleared`` Event). Nothing is ever tainted
+because of it, and the budget is not asked.
 """
 
 from __future__ import annotations
@@ -52,13 +61,21 @@ from healthagent.effects.backend import (
     DryRunBackend,
     jittered_backoff,
 )
-from healthagent.effects.budget import BudgetCount, count_budget, late_older_peers, must_roll_back
+from healthagent.effects.budget import (
+    BudgetCount,
+    count_budget,
+    late_older_peers,
+    must_roll_back,
+    recheck_delay,
+    recheck_interval,
+)
 from healthagent.effects.events import (
     EVENTS_NAMESPACE,
     NORMAL,
     WARNING,
     EventLedger,
     EventSpec,
+    escalation_event,
     event_body,
     finding_event,
 )
@@ -72,6 +89,8 @@ from healthagent.effects.node_desired import (
     annotations_of,
     grace_start,
     node_patch,
+    not_observed_conditions,
+    observed_by,
     owned_taints,
     owned_view,
     parse_rfc3339,
@@ -80,15 +99,21 @@ from healthagent.effects.node_desired import (
     plan_taint,
     status_patch,
 )
-from healthagent.effects.node_watch import BACKOFF_SECONDS, WATCH_TIMEOUT_SECONDS, NodeCache, NodeWatch
+from healthagent.effects.node_watch import (
+    BACKOFF_SECONDS,
+    WATCH_TIMEOUT_SECONDS,
+    NodeCache,
+    NodeWatch,
+    resource_version,
+)
 from healthagent.effects.record import STATE_KEY, AppliedTaint, EffectsRecord
-from healthagent.model import Action, Finding, KubeStatus, Verdict
+from healthagent.model import Action, Finding, KubeStatus, SourceHealth, Verdict
 from healthagent.sources.base import ErrorTally
 
 log = logging.getLogger(__name__)
 
 RESYNC_SECONDS = 60.0  # with the watch down or off: re-read the node this often (operator actions)
-BUDGET_RECHECK_SECONDS = 30.0  # while over budget, count the cluster again this often
+BUDGET_RECHECK_SECONDS = 30.0  # while over budget, count the cluster again this often (+-50% jitter)
 MAX_ATTEMPTS = 6  # writes per object per reconcile before giving up until the next one
 BACKOFF_BASE_SECONDS = 0.1
 BACKOFF_CAP_SECONDS = 3.2
@@ -156,6 +181,7 @@ class NodeEffects:
         self.max_attempts = max(1, max_attempts)
         self.on_change = on_change
         self._verdict: Verdict | None = None
+        self._health: tuple[SourceHealth, ...] = ()
         self._cache = NodeCache()
         self._watch: NodeWatch | None = None
         if watch and not self.dry_run:
@@ -169,7 +195,7 @@ class NodeEffects:
         self._writes: Counter = Counter()
         self._reachable = self.dry_run
         self._budget_memo: BudgetCount | None = None
-        self._blocked_at: float | None = None
+        self._recheck_at: float | None = None  # while blocked: no count before this time
         self._budget_note = ""
         self._rollback = False
         self._recount_at: float | None = None  # one more budget count after tainting (late peers)
@@ -184,9 +210,11 @@ class NodeEffects:
         self._guard(lambda: self._startup(now, boot_id))
         return self.status()
 
-    def reconcile(self, verdict: Verdict, now: float, boot_id: str) -> KubeStatus:
-        """Bring the node to the verdict. Never raises."""
-        self._guard(lambda: self._reconcile(verdict, now, boot_id))
+    def reconcile(self, verdict: Verdict, now: float, boot_id: str,
+                  health: "tuple[SourceHealth, ...] | list[SourceHealth]" = ()) -> KubeStatus:
+        """Bring the node to the verdict. Never raises. ``health``: the sources' latest health,
+        whose detail says in an ``Unknown`` condition why a subsystem could not be observed."""
+        self._guard(lambda: self._reconcile(verdict, now, boot_id, tuple(health)))
         return self.status()
 
     def close(self) -> None:
@@ -198,6 +226,16 @@ class NodeEffects:
     def watching(self) -> bool:
         """Is the watch on the node live (the cache as fresh as a read)?"""
         return self._watch is not None and self._watch.live
+
+    @property
+    def budget_recheck_at(self) -> float | None:
+        """While the budget holds the taint back: the time of the next count (jittered)."""
+        return self._recheck_at
+
+    @property
+    def budget_recount_at(self) -> float | None:
+        """After tainting: the time of the late re-count for peers that raced (jittered)."""
+        return self._recount_at
 
     @property
     def node(self) -> dict | None:
@@ -243,20 +281,44 @@ class NodeEffects:
         self._dirty = False
         self._deliver_events(now)
 
-    def _reconcile(self, verdict: Verdict, now: float, boot_id: str) -> None:
+    def _reconcile(self, verdict: Verdict, now: float, boot_id: str, health: tuple[SourceHealth, ...]) -> None:
         self._start_watch()  # a no-op after ``startup``
         self._note_boot(boot_id)
         self._verdict = verdict
+        self._health = health
         keys = {f.key for f in verdict.findings}
         self.record.cleared = [k for k in self.record.cleared if k in keys]
         cleared = set(self.record.cleared)
-        self.ledger.want(finding_event(f, now) for f in verdict.findings if f.key not in cleared)
+        self.ledger.want(self._finding_events([f for f in verdict.findings if f.key not in cleared], now))
         try:
             self._sync(now)
         except ApiError as exc:
             self._failed(exc)
             self._pending = self._pending_against_known(now)
         self._deliver_events(now)
+
+    def _finding_events(self, findings: list[Finding], now: float) -> list[EventSpec]:
+        """The Event that first reports each new finding, and one for each finding whose action
+        became more severe than the one last reported (XID 79 then 94 on one GPU: one incident,
+        reboot_node then replace_node). A finding whose action falls back is not reported again."""
+        specs = []
+        for finding in findings:
+            before = _action_or_none(self.record.reported.get(finding.key))
+            if before is None:
+                specs.append(finding_event(finding, now))
+            elif finding.action.severity > before.severity:
+                log.warning("effects node=%s finding=%s escalated from=%s to=%s", self.node_name,
+                            finding.code, before.value, finding.action.value)
+                specs.append(escalation_event(finding, before, now))
+            else:
+                continue
+            self.record.note_reported(finding.key, finding.action.value)
+        return specs
+
+    def _blind_to(self, code: str) -> bool:
+        """Is a subsystem that a finding of ``code`` is seen through unobserved right now?"""
+        unobserved = self._verdict.unobserved if self._verdict is not None else ()
+        return any(part in unobserved for part in observed_by(code))
 
     # -- reading and noticing ----------------------------------------------------------------------
 
@@ -312,7 +374,10 @@ class NodeEffects:
             elif recorded.effect != effect:
                 recorded.effect = effect
         elif recorded is not None and self._verdict is not None:
-            if recorded.value == Action.REPLACE_NODE.value or self._effective_action() in TAINT_ACTIONS:
+            # gone while the agent still wanted it (a replace taint, a taint action, or a reboot
+            # taint held while unobserved): someone removed it by hand
+            if recorded.value == Action.REPLACE_NODE.value or self._effective_action() in TAINT_ACTIONS \
+                    or self._blind_to(recorded.code):
                 self._operator_cleared(ClearRequest(f"taint-removed-{int(now)}", "taint-removed"), now)
             else:
                 self.record.taint = None  # our own removal whose reply was lost
@@ -357,10 +422,14 @@ class NodeEffects:
         findings = self._effective(all_keys)
         action = Action.most_severe([f.action for f in findings])
         taint_key = self.settings.taint_key
-        sticky = clear is None and any(
-            t.get("value") == Action.REPLACE_NODE.value for t in owned_taints(node, taint_key))
-        shown = Action.REPLACE_NODE if sticky else action
         recorded = self.record.taint
+        values = {t.get("value") for t in owned_taints(node, taint_key)} if clear is None else set()
+        sticky = Action.REPLACE_NODE.value in values
+        # a reboot taint whose finding cannot be seen any more stays: unobserved is not healthy
+        held = Action.REBOOT_NODE.value in values and self._blind_to(recorded.code if recorded else "")
+        shown = Action.REPLACE_NODE if sticky else (
+            Action.most_severe([action, Action.REBOOT_NODE]) if held else action)
+        unobserved = self._verdict.unobserved if self._verdict is not None else ()
         if self._rollback:
             taint = TaintPlan(taint=None, adds_taint=True, budget_blocked=True)
         else:
@@ -372,9 +441,10 @@ class NodeEffects:
         leading_code = findings[0].code if findings else (recorded.code if recorded else "")
         conditions = plan_conditions(
             findings, sticky_without_finding=sticky and all(f.action is not Action.REPLACE_NODE for f in findings),
-            sticky_code=recorded.code if recorded else "")
+            sticky_code=recorded.code if recorded else "",
+            not_observed=not_observed_conditions(node, unobserved, self._health))
         labels = plan_labels(node=node, shown=shown, taint=taint, leading_code=leading_code,
-                             hyperpod=self.settings.hyperpod_labels)
+                             hyperpod=self.settings.hyperpod_labels, unobserved=bool(unobserved))
         annotations = {CLEAR_HANDLED_ANNOTATION: clear.token} if clear else {}
         desired = DesiredNode(taint=taint.taint, labels=labels, annotations=annotations, conditions=conditions)
         return NodePlan(desired=desired, patch=node_patch(node, desired, taint_key, now), taint=taint,
@@ -382,12 +452,12 @@ class NodeEffects:
                         leading_key=findings[0].key if findings else "", leading_code=leading_code)
 
     def _budget_allows(self, now: float) -> bool:
-        """May this node ADD the taint? One cluster count per sync; over budget, the answer is kept
-        for ``budget_recheck_seconds``. A count that fails holds the taint back (fail closed) until
-        the next reconcile counts again."""
+        """May this node ADD the taint? One cluster count per sync (a list from the API server's
+        watch cache); over budget, the answer is kept for ``budget_recheck_seconds``, jittered. A
+        count that fails holds the taint back (fail closed) until the next reconcile counts again."""
         if self._budget_memo is not None:
             return self._budget_memo.allows
-        if self._blocked_at is not None and now - self._blocked_at < self.budget_recheck_seconds:
+        if self._recheck_at is not None and now < self._recheck_at:
             return False
         try:
             nodes = self.backend.list_nodes(self.settings.budget_node_selector)
@@ -401,8 +471,11 @@ class NodeEffects:
                              self.settings.budget_max_fraction, self.settings.budget_max_nodes)
         self._budget_memo = count
         self._budget_note = count.describe()
-        self._blocked_at = None if count.allows else now
+        self._recheck_at = None if count.allows else now + self._recheck_delay(count.waiting)
         return count.allows
+
+    def _recheck_delay(self, waiting: int = 1) -> float:
+        return recheck_delay(recheck_interval(self.budget_recheck_seconds, waiting), self._rng)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -543,13 +616,16 @@ class NodeEffects:
     def _recount_after_taint(self, node: dict, now: float, first: bool) -> dict:
         """Two agents may have tainted at once: count again and roll back if this node is the
         newest past the limit (see ``effects/budget.py``). Right after tainting, and once more
-        ``budget_recheck_seconds`` later for a peer whose write landed after this first count."""
+        about ``budget_recheck_seconds`` (jittered) later for a peer whose write landed after this
+        first count. Both lists are at least as new as ``node`` (this agent's own write): a watch
+        cache lagging behind would hide this node's taint and with it the race."""
         if self.dry_run:
             return node  # no cluster view
         if first:
-            self._recount_at = now + self.budget_recheck_seconds
+            self._recount_at = now + self._recheck_delay()
         try:
-            nodes = self.backend.list_nodes(self.settings.budget_node_selector)
+            nodes = self.backend.list_nodes(self.settings.budget_node_selector,
+                                            not_older_than=resource_version(node))
         except ApiError as exc:
             self._tally.count("budget_count_failed", f"cannot re-count GPU nodes after tainting ({exc})")
             return node
@@ -571,7 +647,7 @@ class NodeEffects:
                     self.node_name, count.describe())
         self._budget_note = f"{count.describe()} (rolled back: another node tainted at the same time)"
         self._budget_memo = count  # counted with this node's taint excluded: does not allow
-        self._blocked_at = now
+        self._recheck_at = now + self._recheck_delay(count.waiting)
         self._rollback = True  # stays set until the removal lands (an API error retries it later)
         node, plan, basis, ok = self._write_node(node, now)
         if ok:
@@ -644,8 +720,16 @@ class NodeEffects:
             mode=self.mode, reachable=self._reachable, taint_effect=effect,
             budget_blocked=self.record.budget_blocked, budget_blocked_total=self.record.budget_blocked_total,
             writes=dict(self._writes), pending_writes=self._pending + len(self.ledger.outbox),
-            clear_token=self.record.clear_token,
+            clear_token=self.record.clear_token, watching=self.watching,
         )
+
+
+def _action_or_none(value: object) -> Action | None:
+    """The action a state file recorded; None for a missing or unknown one (reported afresh)."""
+    try:
+        return Action(value)
+    except ValueError:
+        return None
 
 
 def _describe(patch: dict) -> str:

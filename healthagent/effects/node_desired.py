@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterable, Mapping
 
-from healthagent.model import Action, Finding
+from healthagent.model import Action, Finding, SourceHealth
 
 HEALTH_LABEL = "healthagent.io/health"
 CLEAR_ANNOTATION = "healthagent.io/clear"  # written by operators, only read by the agent
@@ -38,12 +38,18 @@ EFA_CONDITION = "EfaHealthy"
 OWNED_CONDITIONS = (GPU_CONDITION, EFA_CONDITION)
 ALL_CHECKS_PASSED = "AllChecksPassed"
 REPLACE_PENDING_REASON = "ReplacePending"
+# Verdict.unobserved subsystems that have a condition: (condition, its reason while the subsystem
+# cannot be seen, what it is in words, the sources that see it). Status Unknown: "no finding"
+# about hardware nobody could see is not "healthy".
+NOT_OBSERVED = {"gpu": (GPU_CONDITION, "GpuNotObserved", "GPUs", ("nvml", "dcgm")),
+                "efa": (EFA_CONDITION, "EfaNotObserved", "EFA devices", ("efa",))}
 
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
 TAINT_ACTIONS = (Action.REBOOT_NODE, Action.REPLACE_NODE)
 
 HEALTHY = "healthy"
+UNKNOWN = "unknown"
 DEGRADED = "degraded"
 REBOOT_REQUIRED = "reboot-required"
 REPLACE_REQUIRED = "replace-required"
@@ -51,20 +57,35 @@ REPLACE_REQUIRED = "replace-required"
 CONDITION_MESSAGE_MAX = 1024
 
 
-def health_value(action: Action) -> str:
-    """The ``healthagent.io/health`` label value for an action."""
+def health_value(action: Action, unobserved: bool = False) -> str:
+    """The ``healthagent.io/health`` label value for an action: ``unknown`` instead of
+    ``healthy`` while part of the node could not be observed (nothing worse is known)."""
     if action is Action.REPLACE_NODE:
         return REPLACE_REQUIRED
     if action is Action.REBOOT_NODE:
         return REBOOT_REQUIRED
     if action is Action.NONE:
-        return HEALTHY
+        return UNKNOWN if unobserved else HEALTHY
     return DEGRADED
 
 
 def condition_of(code: str) -> str:
     """Which condition a finding code belongs to: EFA_* -> EfaHealthy, everything else GpuHealthy."""
     return EFA_CONDITION if code.startswith("EFA_") else GPU_CONDITION
+
+
+def observed_by(code: str) -> tuple[str, ...]:
+    """The ``Verdict.unobserved`` subsystems that must see the node again before a finding of
+    ``code`` can be believed gone: EFA findings need the EFA source, NVSwitch SXids the kernel
+    log, every other (GPU) finding the GPU sources (NVML reports XIDs too). An unknown code (a
+    taint adopted from the node without a record) needs them all."""
+    if not code:
+        return ("gpu", "efa", "kernel_log")
+    if code.startswith("EFA_"):
+        return ("efa",)
+    if code.startswith("NVSWITCH_"):
+        return ("kernel_log",)
+    return ("gpu",)
 
 
 def fault_type_of(code: str) -> str:
@@ -206,12 +227,14 @@ def plan_taint(
 
 
 def plan_conditions(findings: Iterable[Finding], sticky_without_finding: bool,
-                    sticky_code: str = "") -> tuple[ConditionSpec, ...]:
+                    sticky_code: str = "",
+                    not_observed: Mapping[str, tuple[str, str]] | None = None) -> tuple[ConditionSpec, ...]:
     """``GpuHealthy``/``EfaHealthy`` from the open findings (most severe first in the verdict).
 
     A replace taint that stands with no open finding (state lost, or the classifier forgot) keeps
     ``GpuHealthy`` (or the recorded finding's condition) False: a condition must never say healthy
-    while the node carries the replace taint.
+    while the node carries the replace taint. A condition without findings whose area could not be
+    observed (``not_observed``: condition type -> (reason, message)) is ``Unknown``, not ``True``.
     """
     by_condition: dict[str, list[Finding]] = {GPU_CONDITION: [], EFA_CONDITION: []}
     for finding in findings:
@@ -227,10 +250,39 @@ def plan_conditions(findings: Iterable[Finding], sticky_without_finding: bool,
                 ctype, "False", REPLACE_PENDING_REASON,
                 "the node carries the agent's replace_node taint from an earlier fault; an operator "
                 f"clears it with: kubectl annotate node NODE {CLEAR_ANNOTATION}=<new value> --overwrite"))
+        elif ctype in (not_observed or {}):
+            reason, message = (not_observed or {})[ctype]
+            specs.append(ConditionSpec(ctype, "Unknown", reason, _clip(message)))
         else:
             area = "EFA" if ctype == EFA_CONDITION else "GPU"
             specs.append(ConditionSpec(ctype, "True", ALL_CHECKS_PASSED, f"no open {area} findings"))
     return tuple(specs)
+
+
+def not_observed_conditions(node: Mapping, unobserved: Iterable[str],
+                            health: Iterable[SourceHealth]) -> dict[str, tuple[str, str]]:
+    """Condition type -> (reason, message) for every unobserved subsystem that has a condition.
+
+    The message says why, from the down sources' own detail (``health``), else in general words.
+    While the condition already says Unknown for the same reason, its message on the node is
+    kept: a source's detail may change every cycle ("collect hung for 12 s", "... 17 s"), and
+    re-writing the condition for each would break the zero-writes steady state."""
+    health = tuple(health)
+    existing = {c.get("type"): c for c in (node.get("status") or {}).get("conditions") or []
+                if isinstance(c, dict)}
+    planned: dict[str, tuple[str, str]] = {}
+    for part in unobserved:
+        if part not in NOT_OBSERVED:
+            continue
+        ctype, reason, what, sources = NOT_OBSERVED[part]
+        have = existing.get(ctype) or {}
+        if (have.get("status"), have.get("reason")) == ("Unknown", reason) and isinstance(have.get("message"), str):
+            planned[ctype] = (reason, have["message"])
+            continue
+        why = "; ".join(f"{h.source}: {h.detail}" for h in health if h.source in sources and not h.up and h.detail)
+        planned[ctype] = (reason, f"the agent cannot observe the {what} ({why or 'no source answered'}); "
+                                  "their health is unknown, not healthy")
+    return planned
 
 
 def _clip(text: str, limit: int = CONDITION_MESSAGE_MAX) -> str:
@@ -247,6 +299,7 @@ def plan_labels(
     taint: TaintPlan,
     leading_code: str,
     hyperpod: bool,
+    unobserved: bool = False,
 ) -> dict[str, str | None]:
     """Owned labels: the health label always (it says what is wrong even when the budget holds the
     taint back); HyperPod's labels only with ``hyperpod`` on.
@@ -257,7 +310,7 @@ def plan_labels(
     is gone the label is given back as ``Schedulable`` (HyperPod's healthy value, which jobs select
     on) - but only while it still holds the value the agent wrote; otherwise it is not touched.
     """
-    labels: dict[str, str | None] = {HEALTH_LABEL: health_value(shown)}
+    labels: dict[str, str | None] = {HEALTH_LABEL: health_value(shown, unobserved)}
     if not hyperpod:
         return labels
     current = labels_of(node)

@@ -2,7 +2,8 @@
 
 Only what the node object cannot tell is kept here: that the agent's taint was confirmed applied
 (so a taint that later vanishes was removed by hand, not never written), when its grace started,
-which findings an operator cleared, the budget episode, the Event ledger, and the dry-run node.
+which findings an operator cleared, the budget episode, the Event ledger with the most severe action
+reported per finding (so an escalation is reported once), and the dry-run node.
 Everything is re-checked against the node on every read; the node wins where both know.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 STATE_KEY = "effects"
 RECORD_VERSION = 1
 MAX_CLEARED = 256
+MAX_REPORTED = 1024  # as many findings as the Event ledger remembers delivered keys
 
 
 @dataclass
@@ -46,6 +48,16 @@ class EffectsRecord:
     emitted: dict[str, float] = field(default_factory=dict)
     outbox: list[dict] = field(default_factory=list)
     dry_run_node: dict | None = None
+    # finding key -> the most severe action an Event reported for it (oldest first, bounded)
+    reported: dict[str, str] = field(default_factory=dict)
+
+    def note_reported(self, key: str, action: str) -> None:
+        """Remember the action an Event now reports for ``key``; the oldest findings are
+        forgotten first past ``MAX_REPORTED``."""
+        self.reported.pop(key, None)
+        self.reported[key] = action
+        for old in list(self.reported)[: max(0, len(self.reported) - MAX_REPORTED)]:
+            del self.reported[old]
 
     @classmethod
     def from_state(cls, data: Any) -> "EffectsRecord":
@@ -63,6 +75,9 @@ class EffectsRecord:
         record.emitted = _typed(data.get("emitted"), dict, {})
         record.outbox = _typed(data.get("outbox"), list, [])
         record.dry_run_node = _typed(data.get("dry_run_node"), dict, None)
+        for key, action in _typed(data.get("reported"), dict, {}).items():
+            if isinstance(action, str):
+                record.note_reported(str(key), action)
         return record
 
     def to_state(self) -> dict:

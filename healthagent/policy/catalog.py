@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, replace
 from importlib import resources
 
-from healthagent.model import Action, XidEvent
+from healthagent.model import FALLEN_OFF_BUS_XID, Action, XidEvent
 from healthagent.policy.settings import Policy
 
 # NVIDIA's immediate bucket -> our action (the documented rule above).
@@ -57,7 +57,32 @@ BUCKET_ACTIONS: dict[str, Action] = {
 }
 
 RECOVERY_XID = 154
-FALLEN_OFF_BUS_XID = 79
+
+# NVSwitch SXids by the severity the driver prints ("SXid (PCI:...): 20034, Fatal, ..." or
+# "Non-fatal"; a lone detail line says "Severity 1" / "Severity 0", the driver's
+# NVSWITCH_ERROR_SEVERITY_FATAL / _NONFATAL). NVIDIA's Fabric Manager user guide: a fatal NVSwitch
+# error needs the GPUs and NVSwitches reset, which on an HGX board under Fabric Manager is a node
+# reboot; a non-fatal one leaves the fabric working (DCGM: "Monitor the NVSwitch. It can still
+# perform workload."). A line without a readable severity is monitor: raised, never dropped.
+SXID_ACTIONS: dict[str, Action] = {"fatal": Action.REBOOT_NODE, "non-fatal": Action.MONITOR, "": Action.MONITOR}
+SXID_WORDS = {"fatal": "fatal SXid", "non-fatal": "non-fatal SXid", "": "SXid without a stated severity"}
+SXID_WHY = {
+    "fatal": "Fabric Manager guide: a fatal NVSwitch error needs the GPUs and NVSwitches reset, a node reboot",
+    "non-fatal": "the fabric keeps working; watch for repeats",
+    "": "the line does not say Fatal or Non-fatal",
+}
+_SXID_SEVERITY = re.compile(r"SXid\s{0,4}(?:\([^)\n]{0,64}\))?\s{0,4}:\s{0,4}\d{1,9}\s{0,4},\s{0,4}"
+                            r"(?:(non-fatal|fatal)\b|severity\s{1,4}(\d))", re.IGNORECASE)
+
+
+def sxid_severity(text: str) -> str:
+    """"fatal", "non-fatal" or "" (not stated) for an SXid report line."""
+    match = _SXID_SEVERITY.search(text or "")
+    if match is None:
+        return ""
+    if match.group(1):
+        return match.group(1).lower()
+    return {"1": "fatal", "0": "non-fatal"}.get(match.group(2), "")
 
 
 def immediate_bucket(nvidia_resolution: str) -> str:
@@ -144,19 +169,23 @@ class Catalog:
             action=override or Action.MONITOR, nvidia_resolution="", overridden=override is not None,
         )
 
-    def lookup_sxid(self, sxid: int) -> CatalogEntry:
-        """NVSwitch SXids: no bundled catalog; monitor unless the operator says otherwise."""
+    def lookup_sxid(self, sxid: int, severity: str = "") -> CatalogEntry:
+        """NVSwitch SXids: no bundled catalog. The driver's severity decides (``SXID_ACTIONS``:
+        fatal -> reboot_node, non-fatal or not stated -> monitor) unless the operator maps the SXid."""
         override = self._sxid_overrides.get(sxid)
         return CatalogEntry(
             xid=sxid, name=f"SXID_{sxid}", description="NVSwitch error (see the Fabric Manager guide)",
-            action=override or Action.MONITOR, nvidia_resolution="", overridden=override is not None,
+            action=override or SXID_ACTIONS[severity], nvidia_resolution="", overridden=override is not None,
         )
 
     def decide(self, event: XidEvent) -> tuple[CatalogEntry, Action, str]:
         """The entry, the action and why, for one event (XID 154 reads the driver's text)."""
         if event.kind == "sxid":
-            entry = self.lookup_sxid(event.xid)
-            return entry, entry.action, entry.reason()
+            severity = sxid_severity(event.message or event.line)
+            entry = self.lookup_sxid(event.xid, severity)
+            if entry.overridden:
+                return entry, entry.action, f"{SXID_WORDS[severity]}; {entry.reason()}"
+            return entry, entry.action, f"{SXID_WORDS[severity]} ({SXID_WHY[severity]})"
         xid = FALLEN_OFF_BUS_XID if event.kind == "fallen_off_bus" else event.xid
         entry = self.lookup(xid)
         if xid == RECOVERY_XID and not entry.overridden:

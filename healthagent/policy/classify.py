@@ -9,8 +9,10 @@ restart neither forgets an open finding nor counts an XID twice.
 The order of one observation:
 1. a new boot id (a reboot) closes every finding below replace_node;
 2. a new UUID at a known PCI id (the GPU was physically replaced) closes that GPU's findings;
-3. XIDs join incidents; GPU and EFA samples run their rules; the inventory is counted;
-4. the open findings, expired where their window passed, are the verdict.
+3. XIDs join incidents (those of an earlier boot are only counted); GPU and EFA samples run their
+   rules; the inventory is counted;
+4. the open findings, expired where their window passed, are the verdict, with the subsystems the
+   collection could not see (``Verdict.unobserved``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from healthagent.policy.catalog import Catalog
 from healthagent.policy.counters import finite
 from healthagent.policy.explain import explain
 from healthagent.policy.incidents import XidIncidents
-from healthagent.policy.inventory import MAX_KNOWN, inventory
+from healthagent.policy.inventory import MAX_KNOWN, inventory, unobserved
 from healthagent.policy.rules_efa import EfaRules, EfaTrack, efa_key
 from healthagent.policy.rules_gpu import GpuRules, GpuTrack, gpu_key
 from healthagent.policy.settings import Policy
@@ -51,6 +53,10 @@ class Classifier:
         # The XIDs of the last observation that count (a repeat of the same XID from a second
         # reporter within xid_dedupe_seconds is left out): what healthagent_xid_errors_total should add.
         self.counted_xids: tuple[XidEvent, ...] = ()
+        # XIDs logged during an earlier boot (``XidEvent.previous_boot``: a kernel-log file's
+        # history): never judged, only counted. The last observation's, and the total since start.
+        self.earlier_boot_xids: tuple[XidEvent, ...] = ()
+        self.earlier_boot_total = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -72,7 +78,13 @@ class Classifier:
         self._guard("boot", self._check_boot, collection)
         self._guard("replaced", self._check_replaced, collection.gpus)
         counted: list[XidEvent] = []
-        arranged = self._guard("xids", self.incidents.arrange, collection.xids, collection.gpus, now) or []
+        self.earlier_boot_xids = tuple(x for x in collection.xids if x.previous_boot)
+        if self.earlier_boot_xids:
+            self.earlier_boot_total += len(self.earlier_boot_xids)
+            log.info("xids_from_earlier_boots=%d total=%d not judged (logged before this boot)",
+                     len(self.earlier_boot_xids), self.earlier_boot_total)
+        current = tuple(x for x in collection.xids if not x.previous_boot)
+        arranged = self._guard("xids", self.incidents.arrange, current, collection.gpus, now) or []
         for event, t, where in arranged:  # one by one: a bad event must not take its batch with it
             if self._guard("xid", self.incidents.take, event, t, where, self.book):
                 counted.append(event)
@@ -84,7 +96,8 @@ class Classifier:
             self._guard("efa", self._apply, self.efa_rules.evaluate(sample, self._efa_track(sample), now), now)
         if self._inventory_is_new(collection, now):
             self._guard("inventory", self._apply, inventory(collection, self.known_gpus, self.known_efa), now)
-        return Verdict.of(self.book.findings(now), now)
+        blind = self._guard("unobserved", unobserved, collection) or ()
+        return Verdict.of(self.book.findings(now), now, unobserved=blind)
 
     def _apply(self, signals: Iterable[Signal], now: float) -> None:
         for signal in signals:

@@ -32,9 +32,9 @@ class FindingInfo:
 
 _INFOS = (
     FindingInfo("GPU_XID", "XID incident on a GPU", None, ""),
-    FindingInfo("NVSWITCH_SXID", "NVSwitch SXid incident", Action.MONITOR,
+    FindingInfo("NVSWITCH_SXID", "NVSwitch SXid incident", None,
                 "Check `nvidia-smi -q` and the fabric manager log (/var/log/fabricmanager.log); "
-                "a fatal SXid needs the GPUs and NVSwitches reset (reboot)."),
+                "a fatal SXid needs the GPUs and NVSwitches reset: drain and reboot the node."),
     FindingInfo("GPU_ECC_DBE", "uncorrectable (double-bit) ECC errors", Action.RESET_GPU,
                 "Drain {gpu}, then reset it (`nvidia-smi -r -i {index}`) so the pending row remap "
                 "takes effect; reboot if the reset fails. Replace the node if DBEs return."),

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from healthagent.model import Action, GpuSample, XidEvent, canonical_pci_bus_id
+from healthagent.model import FALLEN_OFF_BUS_XID, Action, GpuSample, XidEvent, canonical_pci_bus_id
 from healthagent.policy.book import EVENT, Entry, FindingBook, Where
-from healthagent.policy.catalog import FALLEN_OFF_BUS_XID, Catalog
+from healthagent.policy.catalog import Catalog
 from healthagent.policy.counters import finite
 from healthagent.policy.findings import (ACTION_STEPS, ACTION_WORDS, FINDINGS, fill, gpu_words,
                                          span_words, steps_for)

@@ -52,3 +52,26 @@ def inventory(collection: Collection, known_gpus: dict[str, str], known_efa: dic
         devices = {s.device: s.device for s in collection.efa if s.device}
         yield missing("EFA_DEVICE_MISSING", "EFA devices", devices, len(devices), known_efa,
                       collection.expected_efa_devices)
+
+
+def unobserved(collection: Collection) -> tuple[str, ...]:
+    """The subsystems this collection could not see (``Verdict.unobserved``), so an empty finding
+    list there reads "unknown", never "healthy".
+
+    - ``gpu``: no GPU source (NVML, dcgm-exporter) is up, while GPUs are expected
+      (``expected_gpus`` > 0) or a GPU source is configured (it reported a health entry). A
+      collection without health entries (tests, replays) that carries GPU samples saw its GPUs.
+    - ``efa``: the EFA source reported down (an unreadable sysfs; *no devices* is up).
+    - ``kernel_log``: the kernel-log source reported down.
+    """
+    missing: list[str] = []
+    gpu_health = [h for h in collection.health if h.source in GPU_SOURCES]
+    gpu_seen = any(h.up for h in gpu_health) or (not gpu_health and bool(collection.gpus))
+    if not gpu_seen and (gpu_health or (collection.expected_gpus or 0) > 0):
+        missing.append("gpu")
+    down = {h.source for h in collection.health if not h.up}
+    if "efa" in down:
+        missing.append("efa")
+    if "kmsg" in down:
+        missing.append("kernel_log")
+    return tuple(missing)

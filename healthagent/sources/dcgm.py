@@ -18,9 +18,13 @@ Formats accepted (all seen in the wild):
 Only the ``*_TOTAL`` NVLink fields are used; per-link series (``nvlink`` label) are ignored.
 
 XIDs: dcgm-exporter's ``DCGM_FI_DEV_XID_ERRORS`` is a gauge holding the *last* XID a GPU
-reported, not a count. A change to a new non-zero value becomes one ``XidEvent(source="dcgm")``;
-a non-zero value at the first successful scrape is reported once (it may predate the agent, and
-the kernel-log source will have the full story). **dcgm cannot show repeats of the same XID**:
+reported, not a count, and without a time: a value of 94 may be from days ago. So the first value
+read for each GPU (the first successful scrape after every agent start) is a *baseline*: no event,
+counted as ``baseline`` and logged (rate-limited) when it is non-zero. Only a later change to a new
+non-zero value becomes one ``XidEvent(source="dcgm")``. Otherwise every agent restart would replay
+a stale replace_node XID as new and re-open a finding an operator had cleared. Nothing is lost:
+the kernel-log source reads the current boot's XIDs from the start of the ring, with their own
+times. **dcgm cannot show repeats of the same XID**:
 94 followed by another 94 leaves the gauge at 94, so the kernel log and NVML stay the sources of
 truth for counts; this source is the fallback that still sees *that* something happened.
 
@@ -33,11 +37,13 @@ first good scrape after an outage does not replay an old XID as new.
 from __future__ import annotations
 
 import math
+import socket
 import time
 from dataclasses import dataclass, field
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from healthagent.model import EccCounts, GpuSample, RemapState, RetiredPages, SourceHealth, XidEvent
 from healthagent.model import canonical_pci_bus_id
@@ -135,6 +141,21 @@ def _render(name: str, labels: dict[str, str], value: float) -> str:
     return f"{name}{{{inner}}} {number}"
 
 
+def _body_chunks(reply: requests.Response):
+    """The body in the pieces single socket receives return (urllib3 2's ``read1``), so the caller's
+    deadline is checked after every receive; whole ``CHUNK_BYTES`` blocks (each of which may take
+    many receives) only with an urllib3 that has no ``read1``."""
+    read1 = getattr(reply.raw, "read1", None)
+    if read1 is None:
+        yield from reply.iter_content(CHUNK_BYTES)
+        return
+    while True:
+        chunk = read1(CHUNK_BYTES, decode_content=True)
+        if not chunk:
+            return
+        yield chunk
+
+
 class DcgmSource:
     """Scrapes dcgm-exporter once per ``collect``; never raises."""
 
@@ -176,11 +197,13 @@ class DcgmSource:
 
     def _fetch(self) -> str:
         """The body as text, or ScrapeError. The whole read is bounded by the timeout, not only
-        each socket operation, so a server trickling bytes cannot hold the loop."""
+        each socket operation, so a server trickling bytes cannot hold the loop: the body is read
+        one socket receive at a time (``read1``; each receive waits at most ``timeout``) and the
+        deadline is checked between them, so a scrape ends within twice the timeout at worst."""
         deadline = time.monotonic() + self.timeout
         try:
             with self._session.get(self.url, timeout=self.timeout, stream=True,
-                                   headers={"Accept": "text/plain"}) as reply:
+                                   headers={"Accept": "text/plain", "Accept-Encoding": "identity"}) as reply:
                 if reply.status_code >= 500:
                     raise ScrapeError("http_5xx", f"HTTP {reply.status_code} from {self.url}")
                 if reply.status_code != 200:
@@ -190,7 +213,7 @@ class DcgmSource:
                 if not content_type.startswith("text/plain"):
                     raise ScrapeError("parse", f"Content-Type {content_type!r} is not Prometheus text")
                 body = bytearray()
-                for chunk in reply.iter_content(CHUNK_BYTES):
+                for chunk in _body_chunks(reply):
                     body += chunk
                     if len(body) > MAX_BODY_BYTES:
                         raise ScrapeError("parse", f"body larger than {MAX_BODY_BYTES} bytes")
@@ -198,6 +221,10 @@ class DcgmSource:
                         raise ScrapeError("timeout", f"body not complete within {self.timeout}s")
         except ScrapeError:
             raise
+        except (ReadTimeoutError, socket.timeout):  # read1 goes around requests' exception mapping
+            raise ScrapeError("timeout", f"body not complete within {self.timeout}s") from None
+        except ProtocolError as exc:
+            raise ScrapeError("parse", f"truncated or undecodable body: {type(exc).__name__}") from None
         except requests.exceptions.Timeout as exc:
             raise ScrapeError("timeout", f"no answer within {self.timeout}s: {type(exc).__name__}") from None
         except (requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError) as exc:
@@ -323,19 +350,27 @@ class DcgmSource:
             timestamp=now,
         )
 
-    def _new_xids(self, gpus: dict[str, _GpuSeries], now: float):
-        """One event per change of a GPU's last-XID gauge to a new non-zero value."""
+    def _new_xids(self, gpus: dict[str, _GpuSeries], now: float) -> list[XidEvent]:
+        """One event per change of a GPU's last-XID gauge to a new non-zero value; a GPU's first
+        value is its baseline (see the module docstring), never an event."""
+        events: list[XidEvent] = []
+        baseline: list[str] = []
         for key, gpu in sorted(gpus.items(), key=lambda item: item[1].index):
             xid = self._counter(gpu, "xid")
             if xid is None:
                 continue
+            first = key not in self._last_xid
             previous = self._last_xid.get(key)
             self._last_xid[key] = xid
+            if first:
+                if xid != 0:
+                    baseline.append(f"GPU {gpu.index}={xid}")
+                continue
             if xid == 0 or xid == previous:
                 continue
             labels = gpu.labels
             gpu_instance = labels.get("GPU_I_ID", "")
-            yield XidEvent(
+            events.append(XidEvent(
                 xid=xid,
                 pci_bus_id=canonical_pci_bus_id(labels.get("pci_bus_id", "")) or "",
                 message=gpu.xid_message,
@@ -345,4 +380,9 @@ class DcgmSource:
                 gpu_index=gpu.index,
                 uuid=gpu.uuid,
                 gpu_instance=int(gpu_instance) if gpu_instance.isdigit() else None,
-            )
+            ))
+        if baseline:
+            self.errors.count("baseline", "last-XID gauge at first sight taken as baseline, not as new "
+                                          "XIDs (no time on the gauge; the kernel log has this boot's "
+                                          f"XIDs): {', '.join(baseline)}", n=len(baseline))
+        return events

@@ -34,7 +34,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from healthagent.model import EfaSample, SourceHealth, canonical_pci_bus_id
+from healthagent.model import EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
 from healthagent.sources.base import ErrorTally, SourceResult, host_path
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,6 @@ def resolve_in_root(root: str, path: str) -> str:
     return os.path.join(root, *resolved)
 
 
-def _natural(name: str) -> list:
-    """Sort key that puts rdmap80s0 before rdmap113s0 (PCI bus order), as a person expects."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
 def _read_small(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block the loop
     try:
@@ -134,7 +129,7 @@ class EfaSource:
     def collect(self, now: float) -> SourceResult:
         class_dir = host_path(self.host_root, CLASS_DIR)
         try:
-            names = sorted((e.name for e in os.scandir(class_dir)), key=_natural)
+            names = sorted((e.name for e in os.scandir(class_dir)), key=natural_key)
         except FileNotFoundError:
             return self._result(True, f"no {CLASS_DIR} (no RDMA devices on this host)", ())
         except OSError as exc:

@@ -32,7 +32,11 @@ reboot (another boot id) or without a cursor nothing is skipped, so XIDs logged 
 initialisation, before the agent came up, are reported too. A regular file (the demo node's
 ``dev/kmsg``, a ``--kernel-log`` file) is followed by byte offset, with rotation, truncation,
 partial last lines and undecodable bytes handled. Work per ``collect`` is bounded by
-``max_records_per_cycle``; the rest waits for the next call, nothing is dropped.
+``max_records_per_cycle``; the rest waits for the next call, nothing is dropped. A text file keeps
+earlier boots too (``/var/log/kern.log``): an event on a line whose wall-clock stamp is before the
+host's boot time (``/proc/stat`` btime, less ``BOOT_TIME_SLACK_SECONDS``) is reported with
+``previous_boot=True``, which policy counts and never judges: that boot's faults were ended by its
+reboot. Records with a sequence number (/dev/kmsg format) and klogctl's ring are always this boot's.
 
 Without privilege (``klog.py``): a container that is not privileged cannot open the host's
 /dev/kmsg (its device cgroup refuses the device node, EPERM, whatever its capabilities), and a pod
@@ -55,12 +59,12 @@ import os
 import re
 import stat
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Iterable, Iterator, Mapping
 
 # The loop's own boot-id reader, so the source and the loop can never disagree about the boot.
-from healthagent.model import SourceHealth, XidEvent, canonical_pci_bus_id
+from healthagent.model import FALLEN_OFF_BUS_XID, SourceHealth, XidEvent, canonical_pci_bus_id
 from healthagent.sources.base import ErrorTally, SourceResult, host_path, read_boot_id
 from healthagent.sources.klog import (
     TAIL_LINES,
@@ -76,8 +80,6 @@ log = logging.getLogger(__name__)
 
 SOURCE_NAME = "kmsg"
 DEFAULT_KMSG = "/dev/kmsg"
-# NVIDIA's catalog: XID 79 = ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS.
-FALLEN_OFF_BUS_XID = 79
 # One /dev/kmsg read returns one formatted record; the kernel refuses (EINVAL) a buffer smaller
 # than the record, whose text is at most 8 KiB (CONSOLE_EXT_LOG_MAX) plus its dictionary.
 KMSG_READ_BYTES = 16 * 1024
@@ -92,6 +94,10 @@ KLOG_POLL_SECONDS = 1.0
 PARSER_CONTEXT_LINES = 4
 # A syslog stamp up to this far ahead of ``now`` is clock skew, not last year's line.
 FUTURE_SKEW_SECONDS = 86_400.0
+# A file line stamped more than this before the host's boot time is an earlier boot's. The margin
+# covers btime's whole seconds and an early-boot clock step; the last line of the boot before is
+# further back than that, since a GPU node's reboot (firmware POST included) takes minutes.
+BOOT_TIME_SLACK_SECONDS = 60.0
 
 # -- line grammar ---------------------------------------------------------------------------------
 
@@ -150,6 +156,13 @@ def read_boot_time(host_root: str, now: float) -> float:
 
     /dev/kmsg and dmesg stamp records with time since boot; this turns them into wall time.
     """
+    known = read_known_boot_time(host_root, now)
+    return now if known is None else known
+
+
+def read_known_boot_time(host_root: str, now: float) -> float | None:
+    """``read_boot_time`` without the last resort: None when neither /proc/stat nor /proc/uptime
+    can be read, so nothing is judged "before this boot" against a guess."""
     try:
         with open(host_path(host_root, "/proc/stat"), "rb") as fh:
             for _, line in zip(range(4096), fh):  # bounded: btime is near the end of a few KB
@@ -161,7 +174,7 @@ def read_boot_time(host_root: str, now: float) -> float:
         with open(host_path(host_root, "/proc/uptime"), "rb") as fh:
             return now - float(fh.read(256).split()[0])
     except (OSError, ValueError, IndexError):
-        return now
+        return None
 
 
 # -- the cursor -----------------------------------------------------------------------------------
@@ -231,11 +244,15 @@ class XidLineParser:
     and ``Data`` lines belong to it). ``now`` may be moved forward by the caller each cycle.
     """
 
-    def __init__(self, tally: ErrorTally, *, boot_time: float, now: float, boot_id: str = "") -> None:
+    def __init__(self, tally: ErrorTally, *, boot_time: float, now: float, boot_id: str = "",
+                 earlier_boot_before: float | None = None) -> None:
         self.tally = tally
         self.boot_time = boot_time
         self.now = now
         self.boot_id = boot_id
+        # A text line whose wall-clock stamp is before this is an earlier boot's (``previous_boot``);
+        # None: not judged (the boot time is unknown, or the input holds only this boot's records).
+        self.earlier_boot_before = earlier_boot_before
         self._previous: tuple[str, str] = ("", "")
         self._last_sxid: tuple[str, int] | None = None
 
@@ -298,6 +315,9 @@ class XidLineParser:
             event = self._xid_event(raw, message, timestamp, seq)
         if event is None and "fallen off" in message and ("NVRM" in message or "GPU" in message):
             event = self._fallen_off_event(raw, message, timestamp, seq, previous)
+        if (event is not None and seq is None and self.earlier_boot_before is not None
+                and event.timestamp < self.earlier_boot_before):
+            event = replace(event, previous_boot=True)  # a kmsg record (seq) is always this boot's
         return event
 
     # -- reports ------------------------------------------------------------------------------------
@@ -752,6 +772,7 @@ class KmsgSource:
         self._follower: _Follower | None = None
         self._mode = ""  # the input in use, for the health detail
         self._boot_id = ""
+        self._boot_time: float | None = None  # the host's boot (wall clock), None = unknown
         self._failure = ""  # the detail while the input is unreadable; "" while it is fine
 
     @property
@@ -802,8 +823,9 @@ class KmsgSource:
 
     def _open(self, now: float) -> _Follower:
         self._boot_id = read_boot_id(self.host_root)
-        parser = XidLineParser(self.tally, boot_time=read_boot_time(self.host_root, now), now=now,
-                               boot_id=self._boot_id)
+        self._boot_time = read_known_boot_time(self.host_root, now)
+        parser = XidLineParser(self.tally, boot_time=now if self._boot_time is None else self._boot_time,
+                               now=now, boot_id=self._boot_id)
         saved = self._cursor
         same_boot = bool(self._boot_id) and saved.boot_id == self._boot_id
         try:
@@ -862,6 +884,10 @@ class KmsgSource:
             self.tally.count("rotated", f"{self.path} is shorter than the saved offset {saved.offset} "
                                         f"(truncated while the agent was down); reading it from its start")
         offset = saved.offset if resume else 0
+        if self._boot_time is not None:
+            # A text file (kern.log, a saved dmesg -T) keeps earlier boots' lines: their XIDs are
+            # history. /dev/kmsg and klogctl hold only the running kernel's records.
+            parser.earlier_boot_before = self._boot_time - BOOT_TIME_SLACK_SECONDS
         log.info("source=%s event=open path=%s mode=file boot_id=%s offset=%d resume_after_seq=%s",
                  SOURCE_NAME, self.path, self._boot_id or "-", offset, None if resume else handed_over)
         self._mode = f"file {self.path}"

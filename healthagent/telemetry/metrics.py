@@ -6,9 +6,13 @@ which swaps one reference (atomic under the GIL); a scrape renders whatever snap
 it does no I/O, takes no lock shared with the loop, and always sees one consistent picture.
 
 The demo node (8 GPUs, 32 EFA devices with ~36 counters each) renders about 1,600 samples, and
-prometheus_client's text encoder needs 10-30 ms for that many. Snapshots are immutable, so the
-snapshot part is rendered and encoded once per snapshot (and content type) and a scrape encodes
-only the small live part (collect-duration histogram, build info, training intake) itself.
+prometheus_client's text encoder needs 10-30 ms for that many. The loop publishes a new snapshot
+every cycle (0.1 s), but its GPU and EFA samples change only when NVML or EFA collect again (every
+10 s; the loop hands over the very same sample objects until then). So the snapshot is encoded in
+parts - GPUs, XIDs, EFA, the rest - and each part's bytes are reused for as long as its input is
+equal (identity first, then equality); a scrape between collections encodes only the small
+changing parts (verdict, sources, timestamp) and the live registry (collect-duration histogram,
+build info, training intake). The concatenation is byte-identical to a full encode.
 """
 
 from __future__ import annotations
@@ -16,22 +20,21 @@ from __future__ import annotations
 import re
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from healthagent.model import Action, AgentSnapshot, EfaSample, GpuSample
-from healthagent.sources.nvml import THROTTLE_REASONS
+from healthagent.sources.efa import NOT_A_COUNTER
+from healthagent.sources.nvml import KNOWN_THROTTLE_REASONS
 from healthagent.telemetry import spec as names
 
 # 1 ms (a kernel-log read) .. 5 s (a dcgm-exporter scrape at its timeout), roughly x2.5 steps.
 COLLECT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
-KNOWN_THROTTLE_REASONS: tuple[str, ...] = tuple(name for name, _ in THROTTLE_REASONS)
-
 _SPECS = names.by_name(names.HEALTH)
-_NOT_COUNTERS = frozenset({"lifespan"})  # an rdma-core cache setting in ms, not a counter
 _UNSAFE = re.compile(r"[^a-z0-9_]+")
 
 
@@ -79,8 +82,8 @@ class Telemetry:
         )
         self.registry.register(_BuildInfo(version))
         self._encoded_lock = threading.Lock()
-        self._encoded_for: AgentSnapshot | None = None
-        self._encoded: dict[str, bytes] = {}
+        # (part name, content type) -> (the part's input, its encoded bytes without # EOF)
+        self._encoded: dict[tuple[str, str], tuple[object, bytes]] = {}
 
     def observe_collect(self, source: str, seconds: float) -> None:
         """Record how long one collection of ``source`` took (a real histogram)."""
@@ -97,26 +100,34 @@ class Telemetry:
     def exposition(self, encoder: Callable, content_type: str) -> bytes:
         """The whole registry encoded with a prometheus_client encoder (from ``choose_encoder``).
 
-        Same bytes as ``encoder(self.registry)``, but the snapshot part (~1,500 samples on the demo
-        node, most of the encoding time) is encoded once per snapshot and content type.
+        Same bytes as ``encoder(self.registry)``, but each part of the snapshot is encoded again
+        only when its input changed (see the module docstring).
         """
         live = encoder(_Live(self.registry))
         snapshot = self._snapshot
         if snapshot is None:
             return live
-        if live.endswith(OPENMETRICS_EOF):  # OpenMetrics: one # EOF, at the very end
+        eof = live.endswith(OPENMETRICS_EOF)  # OpenMetrics: one # EOF, at the very end
+        if eof:
             live = live[: -len(OPENMETRICS_EOF)]
-        return live + self._encoded_snapshot(snapshot, encoder, content_type)
+        body = [live] + [self._encoded_part(part, snapshot, encoder, content_type) for part in SNAPSHOT_PARTS]
+        if eof:
+            body.append(OPENMETRICS_EOF)
+        return b"".join(body)
 
-    def _encoded_snapshot(self, snapshot: AgentSnapshot, encoder: Callable, content_type: str) -> bytes:
+    def _encoded_part(self, part: "SnapshotPart", snapshot: AgentSnapshot, encoder: Callable,
+                      content_type: str) -> bytes:
+        key = (part.name, content_type)
+        source = part.input(snapshot)
         with self._encoded_lock:
-            if self._encoded_for is snapshot and content_type in self._encoded:
-                return self._encoded[content_type]
-        encoded = encoder(_Families(self._collector.families(snapshot)))
+            cached = self._encoded.get(key)
+        if cached is not None and (cached[0] is source or (part.compare_equal and cached[0] == source)):
+            return cached[1]
+        encoded = encoder(_Families(tuple(part.render(snapshot))))
+        if encoded.endswith(OPENMETRICS_EOF):
+            encoded = encoded[: -len(OPENMETRICS_EOF)]
         with self._encoded_lock:
-            if self._encoded_for is not snapshot:
-                self._encoded_for, self._encoded = snapshot, {}
-            self._encoded[content_type] = encoded
+            self._encoded[key] = (source, encoded)
         return encoded
 
 
@@ -170,12 +181,38 @@ class SnapshotCollector:
 
 def render_snapshot(snapshot: AgentSnapshot) -> Iterator[Metric]:
     """Every health family for one snapshot, in a stable order. Pure: no I/O, no clock."""
-    yield from _gpu_families(snapshot.gpus, snapshot.expected_gpus)
-    yield from _xid_families(snapshot)
-    yield from _efa_families(snapshot.efa, snapshot.expected_efa_devices)
+    for part in SNAPSHOT_PARTS:
+        yield from part.render(snapshot)
+
+
+def _other_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     yield from _verdict_families(snapshot)
     yield from _kube_families(snapshot)
     yield from _source_families(snapshot)
+    yield from _internal_error_families(snapshot)
+
+
+@dataclass(frozen=True)
+class SnapshotPart:
+    """A slice of the snapshot that is encoded on its own: ``input`` is everything ``render``
+    reads, so equal inputs give equal bytes and the encoded part can be reused."""
+
+    name: str
+    input: Callable[[AgentSnapshot], object]
+    render: Callable[[AgentSnapshot], Iterator[Metric]]
+    compare_equal: bool = True  # False: reuse only for the very same input object
+
+
+# In exposition order. The big parts (GPUs, EFA) change only when their source collects again.
+SNAPSHOT_PARTS: tuple[SnapshotPart, ...] = (
+    SnapshotPart("gpu", lambda s: (s.gpus, s.expected_gpus),
+                 lambda s: _gpu_families(s.gpus, s.expected_gpus)),
+    SnapshotPart("xid", lambda s: s.xid_counts, lambda s: _xid_families(s)),
+    SnapshotPart("efa", lambda s: (s.efa, s.expected_efa_devices),
+                 lambda s: _efa_families(s.efa, s.expected_efa_devices)),
+    # Everything else is small and its timestamp changes every cycle: reused per snapshot only.
+    SnapshotPart("other", lambda s: s, lambda s: _other_families(s), compare_equal=False),
+)
 
 
 def _family(name: str) -> Metric:
@@ -259,7 +296,7 @@ def efa_family_name(counter: str) -> str | None:
     base = _UNSAFE.sub("_", counter.strip().lower()).strip("_")
     if base.endswith("_total"):
         base = base[: -len("_total")]
-    if not base or base in _NOT_COUNTERS:
+    if not base or base in NOT_A_COUNTER:
         return None
     return f"{names.PREFIX}efa_{base}_total"
 
@@ -326,7 +363,8 @@ def _kube_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
             ("budget_holding_taint", kube.budget_blocked),
             ("budget_blocked_total", kube.budget_blocked_total),
             ("kube_reachable", kube.reachable),
-            ("kube_pending_writes", kube.pending_writes)):
+            ("kube_pending_writes", kube.pending_writes),
+            ("kube_watch_up", kube.watching)):
         family = _family(name)
         family.add_metric([], float(value))
         yield family
@@ -336,6 +374,28 @@ def _kube_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     for pair in sorted(set(KUBE_WRITE_PAIRS) | set(kube.writes)):
         writes.add_metric(list(pair), float(kube.writes.get(pair, 0)))
     yield writes
+
+
+# Failures the agent survives, by component, from the start at 0 (increase() needs the series to
+# exist before the first failure): the state file's, the effects', the classifier's, the HTTP
+# server's and the loop's kinds. Other kinds (an API refusal with its status) appear when counted.
+INTERNAL_ERROR_PAIRS: tuple[tuple[str, str], ...] = (
+    ("state", "unreadable"), ("state", "corrupt"), ("state", "unwritable"), ("state", "too_large"),
+    ("state", "not_json"),
+    ("kube", "internal"), ("kube", "conflicts_exhausted"), ("kube", "budget_count_failed"),
+    ("kube", "events_dropped"),
+    ("policy", "internal"), ("policy", "restore"),
+    ("http", "refused"), ("http", "handler"),
+    ("loop", "cycle"), ("loop", "persist"),
+)
+
+
+def _internal_error_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
+    family = _family("internal_errors_total")
+    counts = snapshot.internal_errors
+    for pair in sorted(set(INTERNAL_ERROR_PAIRS) | set(counts)):
+        family.add_metric(list(pair), float(counts.get(pair, 0)))
+    yield family
 
 
 def _source_families(snapshot: AgentSnapshot) -> Iterator[Metric]:

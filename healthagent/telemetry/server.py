@@ -8,13 +8,15 @@ can stop it (each is answered, or logged at DEBUG when the client went away).
 
 ``/healthz`` is the liveness probe: 200 while the loop's heartbeat is recent, 503 (with why) when
 the loop has not completed a cycle for ``heartbeat_timeout_seconds`` (a generous multiple of the
-poll interval: a hung NVML call or a stuck loop, which a restart fixes). ``/readyz`` is 200 once
+poll interval: a stuck loop, which a restart fixes; a hung NVML/EFA/dcgm call does not stop the
+loop, it runs under a deadline, ``sources.base.DeadlineSource``). ``/readyz`` is 200 once
 the agent says it is ready (a cycle ran and Kubernetes was reached, or dry-run).
 """
 
 from __future__ import annotations
 
 import gzip
+import hmac
 import json
 import logging
 import socket
@@ -26,6 +28,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
+from healthagent.sources.base import ErrorTally
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.training_intake import IntakeReply, TrainingIntake
 
@@ -45,10 +48,12 @@ class AgentServer:
 
     def __init__(self, telemetry: Telemetry, intake: TrainingIntake | None, host: str, port: int, *,
                  heartbeat_timeout_seconds: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES,
-                 max_connections: int = MAX_CONNECTIONS,
+                 max_connections: int = MAX_CONNECTIONS, training_token: str = "",
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.telemetry = telemetry
         self.intake = intake
+        # When set, POST /v1/training must carry "Authorization: Bearer <token>" (docs/training.md).
+        self._training_authorization = f"Bearer {training_token}".encode() if training_token else None
         self.host = host
         self.requested_port = port
         self.heartbeat_timeout_seconds = float(heartbeat_timeout_seconds)
@@ -58,6 +63,7 @@ class AgentServer:
         self._started_at = monotonic()
         self._last_beat: float | None = None
         self._ready = False
+        self._tally = ErrorTally("http")
         self._httpd: _HttpServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -85,6 +91,15 @@ class AgentServer:
             self._thread.join(timeout)
         log.info("http stopped port=%d", httpd.server_address[1])
 
+    @property
+    def errors(self) -> dict[str, int]:
+        """Cumulative failures by kind: ``refused`` (connection cap reached), ``handler``
+        (a request failed with a 500)."""
+        return self._tally.snapshot()
+
+    def count_error(self, kind: str, message: str) -> None:
+        self._tally.count(kind, message)
+
     def heartbeat(self, now: float) -> None:
         """The loop completed a cycle. ``now`` is the loop's clock; liveness uses our monotonic one."""
         self._last_beat = self._monotonic()
@@ -105,6 +120,13 @@ class AgentServer:
         if age <= limit:
             return True, f"ok: last loop cycle {age:.1f}s ago"
         return False, f"unhealthy: the loop's last cycle was {age:.0f}s ago (limit {limit:.0f}s)"
+
+    def authorized(self, authorization: str) -> bool:
+        """True when no training token is set, or the header carries it (constant-time compare)."""
+        if self._training_authorization is None:
+            return True
+        return hmac.compare_digest(authorization.strip().encode("latin-1", "replace"),
+                                   self._training_authorization)
 
     def readiness(self) -> tuple[bool, str]:
         if self._ready:
@@ -130,7 +152,8 @@ class _HttpServer(ThreadingHTTPServer):
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
             self.refused_connections += 1
-            log.debug("http connection refused: %d connections open", self.agent.max_connections)
+            self.agent.count_error("refused", f"connection from {client_address[0]} refused: "
+                                              f"{self.agent.max_connections} connections open")
             self.shutdown_request(request)
             return
         try:
@@ -193,6 +216,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             log.debug("http client went away during %s %s", method, self.path)
         except Exception:
+            self.server.agent.count_error("handler", f"{method} {self.path} failed with a 500")
             log.exception("http %s %s failed", method, self.path)
             try:
                 self._send(500, _TEXT, b"internal error; see the agent's log\n")
@@ -217,6 +241,15 @@ class _Handler(BaseHTTPRequestHandler):
         intake = agent.intake
         if intake is None:
             self._send(404, _TEXT, b"the training intake is off on this agent\n")
+            return
+        if not agent.authorized(self.headers.get("Authorization", "")):
+            length_text = (self.headers.get("Content-Length") or "").strip()
+            if length_text.isdigit():  # read (bounded) and drop it, so the client sees our 401
+                self._discard(int(length_text))
+            self.close_connection = True
+            self._reply(intake.reject("unauthorized", "this agent requires 'Authorization: Bearer "
+                                                      "<token>' (HEALTHAGENT_TRAINING_TOKEN)", 401),
+                        {"WWW-Authenticate": 'Bearer realm="healthagent training intake"'})
             return
         media_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if media_type != "application/json":
@@ -253,8 +286,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             remaining -= len(chunk)
 
-    def _reply(self, reply: IntakeReply) -> None:
-        self._send(reply.status, "application/json", (json.dumps(reply.body) + "\n").encode())
+    def _reply(self, reply: IntakeReply, headers: dict[str, str] | None = None) -> None:
+        self._send(reply.status, "application/json", (json.dumps(reply.body) + "\n").encode(), headers)
 
     def _send(self, status: int, content_type: str, body: bytes,
               headers: dict[str, str] | None = None) -> None:

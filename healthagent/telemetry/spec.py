@@ -98,11 +98,16 @@ HEALTH: tuple[MetricSpec, ...] = (
     _spec("kube_reachable", "gauge", "", "1 when the last Kubernetes API call succeeded."),
     _spec("kube_pending_writes", "gauge", "",
           "Desired Kubernetes changes not yet applied (the API was unreachable)."),
+    _spec("kube_watch_up", "gauge", "",
+          "1 while the watch on the agent's own node is live (0 in dry-run and while it is down)."),
     _spec("source_up", "gauge", "source", "1 when the source's last collection worked."),
     _spec("source_errors_total", "counter", "source kind",
           "Errors per source by kind (parse, unreadable, timeout, ...)."),
     _spec("last_cycle_timestamp_seconds", "gauge", "",
           "Unix time of the loop's last completed cycle."),
+    _spec("internal_errors_total", "counter", "component kind",
+          "Failures the agent survived, by component state|kube|policy|http|loop and kind "
+          "(e.g. state unwritable: restart safety is lost until the file can be written)."),
 )
 
 # Self-metrics that exist before the first snapshot.

@@ -11,7 +11,9 @@ more than one batch in flight, so memory is bounded by ``queue_size`` + ``batch_
 
 Where the agent is: ``HEALTHAGENT_URL`` (e.g. ``http://10.0.0.5:9410``), else
 ``http://$HEALTHAGENT_HOST_IP:9410`` (set ``HEALTHAGENT_HOST_IP`` from the downward API
-``status.hostIP``), else ``http://127.0.0.1:9410`` (a pod on the host network).
+``status.hostIP``), else ``http://127.0.0.1:9410`` (a pod on the host network). When the agent
+requires a token (its ``training_token`` setting), ``HEALTHAGENT_TRAINING_TOKEN`` (or ``token=``)
+is sent as ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ INTAKE_PATH = "/v1/training"
 ENV_URL = "HEALTHAGENT_URL"
 ENV_HOST_IP = "HEALTHAGENT_HOST_IP"
 ENV_JOB = "HEALTHAGENT_JOB"
+ENV_TOKEN = "HEALTHAGENT_TRAINING_TOKEN"
 MAX_REPLY_BYTES = 64 * 1024
 MAX_BATCH_BYTES = 60_000  # under the agent's 64 KiB body limit
 TRANSIENT_HTTP_ATTEMPTS = 3  # a batch the agent answers 5xx to is dropped after this many tries
@@ -103,8 +106,13 @@ class TrainingReporter:
     def __init__(self, job: str | None = None, *, url: str | None = None, rank: int | None = None,
                  world_size: int | None = None, queue_size: int = 10_000, batch_size: int = 500,
                  timeout_seconds: float = 1.0, min_backoff_seconds: float = 0.5,
-                 max_backoff_seconds: float = 30.0, env: Mapping[str, str] | None = None) -> None:
+                 max_backoff_seconds: float = 30.0, env: Mapping[str, str] | None = None,
+                 token: str | None = None) -> None:
         env = os.environ if env is None else env
+        token = (str(token) if token else env.get(ENV_TOKEN, "")).strip()
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self.job = str(job) if job else default_job(env)
         self.endpoint = (str(url).rstrip("/") if url else agent_base_url(env)) + INTAKE_PATH
         self.rank = _number(rank, _env_int(env, "RANK", 0), int)
@@ -329,8 +337,7 @@ class TrainingReporter:
     def _send(self, batch: list[bytes]) -> str:
         """POST one batch: "sent", "rejected" (4xx), "http_error" (5xx) or "unreachable"."""
         body = b"[" + b",".join(batch) + b"]"
-        request = urllib.request.Request(self.endpoint, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(self.endpoint, data=body, method="POST", headers=self._headers)
         try:
             with self._opener.open(request, timeout=self.timeout_seconds) as reply:
                 reply.read(MAX_REPLY_BYTES)
@@ -341,8 +348,9 @@ class TrainingReporter:
                 accepted = _accepted_count(exc, len(batch))
                 self._count("delivered", accepted)
                 self._settle(batch, "rejected", len(batch) - accepted)
-                self._log_limited("rejected", "healthagent rejected %d training reports: HTTP %d",
-                                  len(batch) - accepted, exc.code)
+                self._log_limited("rejected", "healthagent rejected %d training reports: HTTP %d%s",
+                                  len(batch) - accepted, exc.code,
+                                  f" (set {ENV_TOKEN} to the agent's training token)" if exc.code == 401 else "")
                 return "rejected"
             self._log_limited("http", "healthagent answered HTTP %d; backing off", exc.code)
             return "http_error"

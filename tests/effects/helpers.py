@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.wait import wait_for  # noqa: F401  (re-exported for the effects tests)
 from healthagent.config import Settings
 from healthagent.effects.kube import NodeEffects
 from healthagent.effects.state import StateStore
@@ -50,16 +50,6 @@ class Wakes:
         return woke
 
 
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until it holds; the timeout is a generous failure bound, not a timing."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def settings_for(tmp_path: Path, node: str, **overrides) -> Settings:
     values = dict(node_name=node, kube="in-cluster", state_file=str(tmp_path / "state" / "state.json"),
                   replace_noexecute_grace_seconds=120.0)
@@ -79,8 +69,16 @@ def start_effects(settings: Settings, fake: KubeFake | None, sleeps: Sleeps | No
     store.load()
     kwargs.setdefault("request_timeout", (2.0, 5.0))
     kwargs.setdefault("watch", False)
+    kwargs.setdefault("rng", random.Random(7))
     return NodeEffects(settings, fake.api_client() if fake is not None else None, store,
-                       sleep=sleeps if sleeps is not None else Sleeps(), rng=random.Random(7), **kwargs)
+                       sleep=sleeps if sleeps is not None else Sleeps(), **kwargs)
+
+
+def started(tmp_path: Path, fake: KubeFake, node: str = "gpu-node-0", **overrides) -> NodeEffects:
+    """``start_effects`` for ``node`` after the agent's ``startup`` (at T0 - 1, boot-1)."""
+    effects = start_effects(settings_for(tmp_path, node, **overrides), fake)
+    effects.startup(T0 - 1, "boot-1")
+    return effects
 
 
 def finding(code: str = "GPU_XID", action: Action = Action.REPLACE_NODE, first_seen: float = T0,
@@ -94,8 +92,8 @@ def finding(code: str = "GPU_XID", action: Action = Action.REPLACE_NODE, first_s
     )
 
 
-def verdict(*findings: Finding, at: float = T0) -> Verdict:
-    return Verdict.of(list(findings), at)
+def verdict(*findings: Finding, at: float = T0, unobserved: tuple = ()) -> Verdict:
+    return Verdict.of(list(findings), at, unobserved=unobserved)
 
 
 HEALTHY = Verdict.of([], T0)

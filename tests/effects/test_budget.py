@@ -1,8 +1,17 @@
 """The budget rule and the two-agents race, as pure functions."""
 
+import random
+
 import pytest
 
-from healthagent.effects.budget import budget_limit, count_budget, late_older_peers, must_roll_back
+from healthagent.effects.budget import (
+    budget_limit,
+    count_budget,
+    late_older_peers,
+    must_roll_back,
+    recheck_delay,
+    recheck_interval,
+)
 from healthagent.effects.node_desired import parse_rfc3339
 
 KEY = "healthagent.io/unhealthy"
@@ -66,3 +75,31 @@ def test_late_older_peers_are_only_unseen_decisions_not_newer_than_this_one():
              node("late-same", True, "2024-05-01T10:00:05Z"), node("late-newer", True, "2024-05-01T10:00:09Z"),
              node("by-hand", True, added=None), node("clean"), node("me", True, "2024-05-01T10:00:05Z")]
     assert late_older_peers(nodes, KEY, "me", {"seen"}, own) == ["late-older", "late-same"]
+
+
+def test_recheck_delay_spreads_agents_over_a_whole_interval_around_the_base():
+    delays = [recheck_delay(30.0, random.Random(seed)) for seed in range(200)]
+    assert all(15.0 <= d <= 45.0 for d in delays)
+    assert min(delays) < 17.0 and max(delays) > 43.0  # the whole window is used
+    assert 27.0 < sum(delays) / len(delays) < 33.0  # on average still every 30 s
+    assert len(set(delays)) == len(delays)
+
+
+def test_waiting_counts_the_blocked_nodes_by_their_label_this_one_included():
+    def labelled(name, health, tainted=False):
+        n = node(name, tainted=tainted)
+        n["metadata"]["labels"] = {"healthagent.io/health": health}
+        return n
+
+    nodes = [labelled("a", "replace-required"), labelled("b", "reboot-required"),
+             labelled("c", "replace-required", tainted=True), labelled("d", "degraded"),
+             labelled("e", "healthy"), node("f"), labelled("me", "replace-required")]
+    count = count_budget(nodes, KEY, "me", 0.10, None)
+    assert count.waiting == 3  # a, b and this node; c has its taint, d/e/f need no node action
+    assert count_budget([node("me")], KEY, "me", 0.10, None).waiting == 1
+
+
+@pytest.mark.parametrize("waiting,interval", [(1, 30.0), (30, 30.0), (45, 45.0), (1800, 1800.0)])
+def test_recheck_interval_keeps_the_fleet_near_one_count_a_second(waiting, interval):
+    assert recheck_interval(30.0, waiting) == interval
+    assert waiting / recheck_interval(30.0, waiting) <= max(1.0, waiting / 30.0)

@@ -6,6 +6,7 @@ from healthagent.effects.events import (
     EventLedger,
     EventSpec,
     clip_note,
+    escalation_event,
     event_body,
     event_name,
     finding_event,
@@ -74,3 +75,16 @@ def test_ledger_once_per_key_bounded_and_restored_tolerantly():
 
 def test_finding_action_is_in_the_note():
     assert "[monitor]" in finding_event(finding(action=Action.MONITOR), T0).note
+
+
+def test_escalation_event_names_both_actions_and_its_own_key():
+    f = finding(action=Action.REPLACE_NODE)
+    ev = escalation_event(f, Action.REBOOT_NODE, T0 + 2)
+    assert (ev.key, ev.type, ev.reason, ev.action) == (
+        f"finding/{f.key}/replace_node", "Warning", "GPU_XID", "Escalated")
+    assert ev.note.startswith("[replace_node] escalated from reboot_node to replace_node: GPU_XID on ")
+    assert "Evidence: NVRM: Xid (PCI:0000:53:00): 95" in ev.note and ev.at == T0 + 2
+    # every (finding, action) has its own Event name: the first report, each escalation
+    names = {event_name("n", s.key) for s in (finding_event(f, T0), ev,
+                                               escalation_event(f, Action.MONITOR, T0))}
+    assert len(names) == 2  # the escalation to replace_node is one Event whatever it came from

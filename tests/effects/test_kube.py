@@ -5,7 +5,9 @@ waits on a wall clock.
 """
 
 import logging
+import random
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +32,7 @@ from tests.effects.helpers import (
     our_taints,
     settings_for,
     start_effects,
+    started,
     verdict,
 )
 
@@ -43,12 +46,6 @@ EVENTS = "/apis/events.k8s.io/v1/namespaces/default/events"
 def cluster(fake):
     fake.seed_nodes(20)
     return fake
-
-
-def started(tmp_path, fake, node=NODE, **overrides):
-    effects = start_effects(settings_for(tmp_path, node, **overrides), fake)
-    effects.startup(T0 - 1, "boot-1")
-    return effects
 
 
 def node_writes(fake, node=NODE):
@@ -69,8 +66,8 @@ def after_budget_counts(effects, *actions):
     real_list = effects.backend.list_nodes
     calls = []
 
-    def counting(selector):
-        nodes = real_list(selector)
+    def counting(selector, **versions):
+        nodes = real_list(selector, **versions)
         calls.append(selector)
         if len(calls) <= len(actions):
             actions[len(calls) - 1]()
@@ -103,7 +100,9 @@ def test_xid95_noschedule_then_noexecute_after_the_grace_with_labels_conditions_
     cluster.reset_log()
     status = effects.reconcile(XID95, T0 + 10, "boot-1")
     assert status.taint_effect == "NoSchedule" and cluster.requests() == []  # nothing due: no request at all
-    effects.reconcile(XID95, T0 + 30, "boot-1")  # the budget's second count after tainting
+    recount = effects.budget_recount_at  # the budget's second count after tainting, jittered
+    assert T0 + 15 <= recount <= T0 + 45
+    effects.reconcile(XID95, recount, "boot-1")
     assert [(r.method, r.path) for r in cluster.requests()] == [
         ("GET", f"/api/v1/nodes/{NODE}"), ("GET", "/api/v1/nodes")]
     status = effects.reconcile(XID95, T0 + 119, "boot-1")
@@ -137,12 +136,14 @@ def test_a_second_start_on_the_same_state_and_node_writes_nothing(tmp_path, clus
 def test_steady_state_rereads_only_on_the_resync_interval(tmp_path, cluster):
     effects = started(tmp_path, cluster)
     effects.reconcile(XID95, T0, "boot-1")
-    effects.reconcile(XID95, T0 + 30, "boot-1")  # the budget's second count after tainting
+    recount = effects.budget_recount_at
+    effects.reconcile(XID95, recount, "boot-1")  # the budget's second count after tainting reads the node
+    assert effects.budget_recount_at is None
     cluster.reset_log()
-    effects.reconcile(XID95, T0 + 60, "boot-1")
-    effects.reconcile(XID95, T0 + 89, "boot-1")
+    effects.reconcile(XID95, recount + 30, "boot-1")
+    effects.reconcile(XID95, recount + 59, "boot-1")
     assert cluster.requests() == []
-    effects.reconcile(XID95, T0 + 91, "boot-1")
+    effects.reconcile(XID95, recount + 61, "boot-1")
     assert [(r.method, r.path) for r in cluster.requests()] == [("GET", f"/api/v1/nodes/{NODE}")]
 
 
@@ -214,13 +215,16 @@ def test_budget_block_is_one_episode_rechecked_and_released(tmp_path, cluster):
         return [r for r in cluster.requests("GET", "/api/v1/nodes") if r.path == "/api/v1/nodes"]
 
     assert len(lists()) == 1
-    status = effects.reconcile(XID95, T0 + 10, "boot-1")
+    recheck = effects.budget_recheck_at
+    assert T0 + 15 <= recheck <= T0 + 45  # 30 s, jittered
+    status = effects.reconcile(XID95, recheck - 1, "boot-1")
     assert status.budget_blocked and status.budget_blocked_total == 1 and len(lists()) == 1
-    status = effects.reconcile(XID95, T0 + 31, "boot-1")  # the recheck interval passed
+    status = effects.reconcile(XID95, recheck, "boot-1")  # the recheck interval passed
     assert len(lists()) == 2 and status.budget_blocked_total == 1
+    assert recheck + 15 <= effects.budget_recheck_at <= recheck + 45
     cluster.update_node("gpu-node-2", lambda n: n["spec"].update(taints=[]))  # a peer was repaired
-    status = effects.reconcile(XID95, T0 + 62, "boot-1")
-    assert not status.budget_blocked and our_taints(cluster.node(NODE))
+    status = effects.reconcile(XID95, effects.budget_recheck_at, "boot-1")
+    assert not status.budget_blocked and our_taints(cluster.node(NODE)) and effects.budget_recheck_at is None
     assert sorted(e["reason"] for e in cluster.events()) == ["GPU_XID", "TaintBlockedByBudget"]
 
 
@@ -259,6 +263,7 @@ def test_a_rollback_cut_off_by_an_api_error_completes_on_the_next_reconcile(tmp_
     assert our_taints(cluster.node(NODE)) and status.pending_writes >= 1
     status = effects.reconcile(XID95, T0 + 5, "boot-1")
     assert our_taints(cluster.node(NODE)) == [] and status.budget_blocked and status.pending_writes == 0
+    assert effects.budget_recheck_at > T0 + 10
     status = effects.reconcile(XID95, T0 + 10, "boot-1")
     assert our_taints(cluster.node(NODE)) == []  # held back: the recheck is not due yet
 
@@ -272,7 +277,7 @@ def test_a_peer_decision_that_landed_late_is_caught_by_the_second_count(tmp_path
     taint_peer(cluster, "gpu-node-6", added=T0 - 1)
     # a taint added later is not a race this node lost
     taint_peer(cluster, "gpu-node-7", added=T0 + 20)
-    status = effects.reconcile(XID95, T0 + 30, "boot-1")
+    status = effects.reconcile(XID95, effects.budget_recount_at, "boot-1")
     assert our_taints(cluster.node(NODE)) == [] and status.budget_blocked
     assert our_taints(cluster.node("gpu-node-6"))
 
@@ -282,7 +287,7 @@ def test_the_second_count_leaves_a_standing_taint_when_the_newcomers_are_newer(t
     effects.reconcile(XID95, T0, "boot-1")
     for i in (1, 2):
         taint_peer(cluster, f"gpu-node-{i}", value="reboot_node", added=T0 + 10)
-    status = effects.reconcile(XID95, T0 + 30, "boot-1")
+    status = effects.reconcile(XID95, effects.budget_recount_at, "boot-1")
     assert our_taints(cluster.node(NODE)) and not status.budget_blocked
 
 
@@ -538,3 +543,127 @@ def test_unwritable_state_file_does_not_stop_the_effects(tmp_path, cluster):
     status = effects.reconcile(XID95, T0, "boot-1")
     assert status.taint_effect == "NoSchedule"
     assert effects.state.errors.get("unwritable", 0) >= 1
+
+
+# -- escalation: one Event per (finding, action) ---------------------------------------------------
+
+XID79_LINE = "NVRM: Xid (PCI:0000:53:00): 79, pid=1234, name=python, GPU has fallen off the bus."
+XID94_LINE = "NVRM: Xid (PCI:0000:53:00): 94, pid=1234, name=python, Contained ECC error"
+XID79 = replace(finding(action=Action.REBOOT_NODE, xids=(79,)), evidence=XID79_LINE)
+XID79_94 = replace(XID79, action=Action.REPLACE_NODE, xids=(79, 94), count=2,
+                   evidence=f"{XID79_LINE}; {XID94_LINE}")
+
+
+def by_action(events):
+    return {e["action"]: e for e in events}
+
+
+def test_an_incident_that_escalates_gets_one_more_event(tmp_path, cluster):
+    assert XID79_94.key == XID79.key  # one incident on one GPU: the key is stable
+    effects = started(tmp_path, cluster)
+    effects.reconcile(verdict(XID79), T0, "boot-1")
+    assert [(t["value"], t["effect"]) for t in our_taints(cluster.node(NODE))] == [("reboot_node", "NoSchedule")]
+    status = effects.reconcile(verdict(XID79_94), T0 + 5, "boot-1")
+    assert [(t["value"], t["effect"]) for t in our_taints(cluster.node(NODE))] == [("replace_node", "NoSchedule")]
+    events = by_action(cluster.events())
+    assert sorted(events) == ["Detected", "Escalated"]
+    detected, escalated = events["Detected"], events["Escalated"]
+    assert detected["note"].startswith("[reboot_node] ") and XID94_LINE not in detected["note"]
+    assert (escalated["type"], escalated["reason"]) == ("Warning", "GPU_XID")
+    assert escalated["note"].startswith("[replace_node] escalated from reboot_node to replace_node: ")
+    assert XID94_LINE in escalated["note"] and "Next: drain and replace the node" in escalated["note"]
+    assert escalated["regarding"]["name"] == NODE
+    assert status.writes[("event", "ok")] == 2 and status.pending_writes == 0
+    # the same action again, a milder one (the replace taint stays), and back: nothing more
+    for n, f in enumerate([XID79_94, replace(XID79_94, action=Action.REBOOT_NODE), XID79_94]):
+        effects.reconcile(verdict(f), T0 + 10 + n, "boot-1")
+    assert len(cluster.events()) == 2
+    # a restart on the saved state: nothing more either
+    cluster.reset_log()
+    started(tmp_path, cluster).reconcile(verdict(XID79_94), T0 + 20, "boot-1")
+    assert cluster.writes() == [] and len(cluster.events()) == 2
+
+
+def test_an_escalation_whose_state_write_was_lost_is_not_duplicated(tmp_path, cluster):
+    effects = started(tmp_path, cluster)
+    effects.reconcile(verdict(XID79), T0, "boot-1")
+    state = tmp_path / "state" / "state.json"
+    before = state.read_bytes()
+    effects.reconcile(verdict(XID79_94), T0 + 5, "boot-1")
+    state.write_bytes(before)  # SIGKILL after the escalation's POST, before the state write
+    cluster.reset_log()
+    again = started(tmp_path, cluster)
+    status = again.reconcile(verdict(XID79_94), T0 + 6, "boot-1")
+    assert [(r.method, r.status) for r in cluster.requests("POST", EVENTS)] == [("POST", 409)]
+    assert status.writes == {("event", "conflict"): 1} and node_writes(cluster) == []
+    assert sorted(by_action(cluster.events())) == ["Detected", "Escalated"]
+    assert [t["value"] for t in our_taints(cluster.node(NODE))] == ["replace_node"]
+
+
+def test_an_escalation_while_the_api_is_down_is_delivered_later_once(tmp_path, cluster):
+    effects = started(tmp_path, cluster)
+    effects.reconcile(verdict(XID79), T0, "boot-1")
+    cluster.go_down()
+    status = effects.reconcile(verdict(XID79_94), T0 + 5, "boot-1")
+    assert status.pending_writes >= 2  # the taint change and the escalation's Event
+    cluster.come_up()
+    again = started(tmp_path, cluster)  # and a restart in between: the outbox is in the state file
+    status = again.reconcile(verdict(XID79_94), T0 + 10, "boot-1")
+    assert status.pending_writes == 0 and sorted(by_action(cluster.events())) == ["Detected", "Escalated"]
+
+
+# -- what the budget's counts cost the API server ---------------------------------------------------
+
+def budget_lists(fake):
+    return [r.query for r in fake.requests("GET", "/api/v1/nodes")
+            if r.path == "/api/v1/nodes" and "labelSelector" in r.query]
+
+
+def test_budget_counts_are_served_from_the_watch_cache(tmp_path, cluster):
+    effects = started(tmp_path, cluster)
+    before_taint = cluster.resource_version
+    effects.reconcile(XID95, T0, "boot-1")
+    effects.reconcile(XID95, effects.budget_recount_at, "boot-1")
+    first, *recounts = budget_lists(cluster)
+    assert first == {"labelSelector": "nvidia.com/gpu.present=true", "resourceVersion": "0"}
+    assert len(recounts) == 2  # right after tainting, and the late one
+    for query in recounts:  # not older than this agent's own write: it must see its own taint
+        assert query["labelSelector"] == "nvidia.com/gpu.present=true"
+        assert query["resourceVersionMatch"] == "NotOlderThan"
+        assert int(query["resourceVersion"]) > before_taint
+
+
+def test_the_recount_after_tainting_sees_its_own_taint_through_a_lagging_cache(tmp_path, cluster):
+    taint_peer(cluster, "gpu-node-5", added=T0 - 600)
+    cluster.hold_watch_cache()  # the API server's cache falls behind: it shows neither write below
+    taint_peer(cluster, "gpu-node-6", added=T0 - 1)
+    effects = started(tmp_path, cluster)
+    status = effects.reconcile(XID95, T0, "boot-1")  # the cached count allows; the re-count must not
+    assert our_taints(cluster.node(NODE)) == [] and status.budget_blocked
+    assert our_taints(cluster.node("gpu-node-6")) and our_taints(cluster.node("gpu-node-5"))
+
+
+def test_agents_blocked_together_count_again_at_different_times(tmp_path, cluster):
+    for i in (1, 2):
+        taint_peer(cluster, f"gpu-node-{i}")
+    rechecks = []
+    for i in range(3, 13):  # a mass failure: ten agents blocked in the same moment
+        effects = start_effects(settings_for(tmp_path / str(i), f"gpu-node-{i}"), cluster,
+                                rng=random.Random(i))
+        effects.startup(T0 - 1, "boot-1")
+        assert effects.reconcile(XID95, T0, "boot-1").budget_blocked
+        rechecks.append(effects.budget_recheck_at)
+    assert all(T0 + 15 <= at <= T0 + 45 for at in rechecks)
+    assert len(set(rechecks)) == len(rechecks)  # spread, not in step
+
+
+def test_a_blocked_node_rechecks_less_often_the_more_nodes_wait_with_it(tmp_path, cluster):
+    cluster.seed_nodes(100, prefix="big-")  # 120 GPU nodes: a limit of 12
+    for i in range(12):
+        taint_peer(cluster, f"big-{i}")
+    for i in range(12, 100):  # 88 more agents hold a node action the budget holds back
+        cluster.update_node(f"big-{i}", lambda n: n["metadata"]["labels"].update({HEALTH_LABEL: "replace-required"}))
+    effects = started(tmp_path, cluster)
+    assert effects.reconcile(XID95, T0, "boot-1").budget_blocked
+    # 89 waiting nodes (this one too) at one count a second together: each about every 89 s
+    assert T0 + 89 * 0.5 <= effects.budget_recheck_at <= T0 + 89 * 1.5

@@ -87,11 +87,12 @@ def label(fake, key, value, node=NODE):
 def test_steady_state_is_zero_writes_zero_reads_and_one_watch(watched, cluster):
     effects, _ = watched(replace_noexecute_grace_seconds=0.0)
     effects.reconcile(XID95, T0, "boot-1")
-    effects.reconcile(XID95, T0 + 30, "boot-1")  # the budget's second count after tainting
+    recount = effects.budget_recount_at
+    effects.reconcile(XID95, recount, "boot-1")  # the budget's second count after tainting
     assert [t["effect"] for t in our_taints(cluster.node(NODE))] == ["NoExecute"]
     before = len(cluster.requests())
     for i in range(500):  # ~42 minutes of the loop's 5 s reconciles: far past the old 60 s re-read
-        status = effects.reconcile(XID95, T0 + 31 + 5 * i, "boot-1")
+        status = effects.reconcile(XID95, recount + 1 + 5 * i, "boot-1")
         assert status.pending_writes == 0 and status.taint_effect == "NoExecute"
     assert cluster.requests()[before:] == []  # no write, no read, no new watch
     assert len(cluster.watches()) == 1 and len(lists_by_name(cluster)) == 1
@@ -277,7 +278,8 @@ def test_a_watch_refused_by_rbac_falls_back_to_reading_the_node(watched, cluster
     assert not effects.watching and len(cluster.watches()) == 2  # and it does not hammer the server
     annotate_clear(cluster, "ticket-7")
     reads = len(node_reads(cluster))
-    assert effects.reconcile(XID95, T0 + 20, "boot-1").clear_token == ""  # nothing brought it yet
+    assert effects.budget_recount_at > T0 + 10
+    assert effects.reconcile(XID95, T0 + 10, "boot-1").clear_token == ""  # nothing brought it yet
     assert len(node_reads(cluster)) == reads
     status = effects.reconcile(XID95, T0 + 61, "boot-1")  # the re-read interval passed
     assert len(node_reads(cluster)) >= reads + 1
@@ -322,3 +324,31 @@ def test_dry_run_has_no_watch_and_no_network(tmp_path, cluster):
     assert effects.node_watch is None and not effects.watching
     assert set(threading.enumerate()) - threads == set()
     assert cluster.requests() == []
+
+
+def watch_up_gauge(status) -> float:
+    """``healthagent_kube_watch_up`` as a scrape renders it from a snapshot with ``status``."""
+    from prometheus_client import generate_latest
+
+    from healthagent.model import AgentSnapshot
+    from healthagent.telemetry.metrics import Telemetry
+
+    telemetry = Telemetry("test")
+    telemetry.publish(AgentSnapshot(timestamp=T0, kube=status))
+    lines = [line for line in generate_latest(telemetry.registry).decode().splitlines()
+             if line.startswith("healthagent_kube_watch_up ")]
+    assert len(lines) == 1, lines
+    return float(lines[0].split()[1])
+
+
+def test_whether_the_watch_is_live_is_in_the_status_and_exported(watched, cluster, tmp_path):
+    effects, _ = watched()
+    status = effects.reconcile(XID95, T0, "boot-1")
+    assert status.watching is True and watch_up_gauge(status) == 1
+    cluster.fail_next(1, status=403)  # the watch is refused (RBAC without watch)
+    cluster.drop_watches()
+    wait_for(lambda: not effects.watching, what="the watch to go down")
+    status = effects.reconcile(XID95, T0 + 1, "boot-1")
+    assert status.watching is False and watch_up_gauge(status) == 0
+    dry = start_effects(settings_for(tmp_path / "dry", NODE, kube="dry-run"), None, watch=True)
+    assert dry.reconcile(XID95, T0, "boot-1").watching is False  # no watch in dry-run

@@ -130,6 +130,31 @@ def test_list_with_field_selectors_and_a_bad_one(core):
     assert status == 400 and body["reason"] == "BadRequest"
 
 
+def test_list_resource_versions_and_a_lagging_watch_cache(core, fake):
+    def tainted(**versions):
+        reply = raw(core.list_node, label_selector="nvidia.com/gpu.present=true", **versions)
+        return reply["metadata"]["resourceVersion"], [n["metadata"]["name"] for n in reply["items"]
+                                                      if n["spec"].get("taints")]
+
+    fake.hold_watch_cache()
+    held = str(fake.resource_version)
+    fake.update_node("gpu-node-1", lambda n: n["spec"].update(taints=[{"key": "k", "effect": "NoSchedule"}]))
+    live = str(fake.resource_version)
+    assert tainted(resource_version="0") == (held, [])  # "any": the cache, behind
+    assert tainted() == (live, ["gpu-node-1"])  # unset: a quorum read
+    assert tainted(resource_version=live, resource_version_match="NotOlderThan") == (live, ["gpu-node-1"])
+    assert tainted(resource_version=held, resource_version_match="NotOlderThan") == (held, [])
+    fake.release_watch_cache()
+    assert tainted(resource_version="0") == (live, ["gpu-node-1"])
+    status, body = api_error(core.list_node, resource_version=str(int(live) + 5),
+                             resource_version_match="NotOlderThan")
+    assert (status, body["reason"]) == (504, "Timeout") and "Too large resource version" in body["message"]
+    status, body = api_error(core.list_node, resource_version_match="NotOlderThan")
+    assert (status, body["reason"]) == (422, "Invalid")
+    status, body = api_error(core.list_node, resource_version="abc")
+    assert (status, body["reason"]) == (400, "BadRequest")
+
+
 @pytest.mark.parametrize("selector", ["a==b==c", "a in b", "=x", "a,,(b"])
 def test_label_selector_parser_rejects_garbage(selector):
     with pytest.raises(ApiError) as info:

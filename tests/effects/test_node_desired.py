@@ -14,6 +14,8 @@ from healthagent.effects.node_desired import (
     condition_of,
     health_value,
     node_patch,
+    not_observed_conditions,
+    observed_by,
     parse_rfc3339,
     plan_conditions,
     plan_labels,
@@ -21,7 +23,7 @@ from healthagent.effects.node_desired import (
     rfc3339,
     status_patch,
 )
-from healthagent.model import Action
+from healthagent.model import Action, SourceHealth
 from tests.effects.helpers import T0, TAINT_KEY, finding
 
 
@@ -161,3 +163,52 @@ def test_hyperpod_labels_only_with_the_flag_only_after_the_grace_and_given_back_
 def test_time_round_trip():
     assert parse_rfc3339(rfc3339(T0)) == T0
     assert parse_rfc3339("garbage") is None and parse_rfc3339(None) is None
+
+
+@pytest.mark.parametrize("action,unobserved,label", [
+    (Action.NONE, False, "healthy"),
+    (Action.NONE, True, "unknown"),
+    (Action.MONITOR, True, "degraded"),
+    (Action.REBOOT_NODE, True, "reboot-required"),
+    (Action.REPLACE_NODE, True, "replace-required"),
+])
+def test_health_label_is_unknown_only_when_nothing_worse_applies(action, unobserved, label):
+    assert health_value(action, unobserved) == label
+
+
+@pytest.mark.parametrize("code,needs", [
+    ("GPU_XID", ("gpu",)), ("GPU_ROW_REMAP_PENDING", ("gpu",)), ("EFA_DEVICE_MISSING", ("efa",)),
+    ("NVSWITCH_SXID", ("kernel_log",)), ("", ("gpu", "efa", "kernel_log")),
+])
+def test_observed_by(code, needs):
+    assert observed_by(code) == needs
+
+
+def test_not_observed_conditions_from_the_sources_detail_and_kept_while_unknown():
+    health = (SourceHealth("nvml", False, "nvmlInit: Driver Not Loaded"), SourceHealth("dcgm", True, "8 GPUs"),
+              SourceHealth("efa", False, ""))
+    planned = not_observed_conditions(node_with(), ("gpu", "efa", "kernel_log"), health)
+    assert planned == {
+        "GpuHealthy": ("GpuNotObserved", "the agent cannot observe the GPUs (nvml: nvmlInit: Driver Not "
+                                         "Loaded); their health is unknown, not healthy"),
+        "EfaHealthy": ("EfaNotObserved", "the agent cannot observe the EFA devices (no source answered); "
+                                         "their health is unknown, not healthy")}
+    on_node = node_with(conditions=[{"type": "GpuHealthy", "status": "Unknown", "reason": "GpuNotObserved",
+                                     "message": "as first seen"},
+                                    {"type": "EfaHealthy", "status": "True", "reason": "AllChecksPassed",
+                                     "message": "no open EFA findings"}])
+    planned = not_observed_conditions(on_node, ("gpu", "efa"), ())
+    assert planned["GpuHealthy"] == ("GpuNotObserved", "as first seen")
+    assert planned["EfaHealthy"][1].startswith("the agent cannot observe the EFA devices")
+    assert not_observed_conditions(on_node, ("kernel_log",), health) == {}
+
+
+def test_plan_conditions_unknown_without_findings_false_with_them():
+    not_observed = {"GpuHealthy": ("GpuNotObserved", "m"), "EfaHealthy": ("EfaNotObserved", "e")}
+    specs = plan_conditions([finding("EFA_RX_DROPS", Action.MONITOR, pci="", efa="rdmap79s0", xids=())],
+                            False, not_observed=not_observed)
+    assert [(c.type, c.status, c.reason) for c in specs] == [
+        ("GpuHealthy", "Unknown", "GpuNotObserved"), ("EfaHealthy", "False", "EFA_RX_DROPS")]
+    sticky = plan_conditions([], True, "GPU_XID", not_observed=not_observed)
+    assert [(c.type, c.status, c.reason) for c in sticky] == [
+        ("GpuHealthy", "False", "ReplacePending"), ("EfaHealthy", "Unknown", "EfaNotObserved")]

@@ -117,11 +117,28 @@ def gpus_by_index(result):
     return {g.index: g for g in result.gpus}
 
 
+_XID_GAUGE = re.compile(r"^((?:DCGM_FI_DEV_XID_ERRORS|dcgm_xid_errors)\{[^}]*\}) \d+$", re.M)
+
+
+def zero_xids(text: str) -> str:
+    """``text`` with every last-XID gauge at 0 (what the exporter serves before any XID)."""
+    return _XID_GAUGE.sub(r"\1 0", text)
+
+
+def scrape_after_baseline(exporter, body: str):
+    """The second collect of a source that first saw ``body`` with every XID gauge at 0, so the
+    gauge values of ``body`` are changes (the first scrape is a baseline, never an event)."""
+    source = DcgmSource(exporter.serve("/m", zero_xids(body)), 2.0)
+    baseline = source.collect(NOW - 30)
+    assert baseline.health.up is True and baseline.xids == ()
+    exporter.serve("/m", body)
+    return source.collect(NOW)
+
+
 # -- formats -------------------------------------------------------------------------------------
 
 def test_new_format_maps_every_health_field(exporter):
-    source = DcgmSource(exporter.serve("/metrics", fixture("dcgm-exporter-3.3-h100x8.txt")), 2.0)
-    result = source.collect(NOW)
+    result = scrape_after_baseline(exporter, fixture("dcgm-exporter-3.3-h100x8.txt"))
     assert result.health.up is True
     assert result.health.errors == {}
     gpus = gpus_by_index(result)
@@ -148,7 +165,7 @@ def test_new_format_maps_every_health_field(exporter):
     assert g4.throttle_reasons == ("gpu_idle",)
     assert g0.throttle_reasons == ()
     assert g0.lost is False
-    # GPU 5's last-XID gauge is 94 at the first scrape: reported once.
+    # GPU 5's last-XID gauge went 0 -> 94 after the baseline: one event.
     (event,) = result.xids
     assert (event.xid, event.gpu_index, event.uuid, event.pci_bus_id) == (
         94, 5, "GPU-5e70a1b2-3e4f-4051-b273-8495a6b7c8d9", "0000:a8:00.0")
@@ -160,8 +177,7 @@ def test_new_format_maps_every_health_field(exporter):
 
 
 def test_old_format_without_pci_bus_id(exporter):
-    source = DcgmSource(exporter.serve("/metrics", fixture("dcgm-exporter-2.x-a100x2.txt")), 2.0)
-    result = source.collect(NOW)
+    result = scrape_after_baseline(exporter, fixture("dcgm-exporter-2.x-a100x2.txt"))
     assert result.health.up is True and result.health.errors == {}
     g0, g1 = result.gpus
     assert (g0.index, g0.uuid, g0.name) == (0, "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52", "A100-SXM4-80GB")
@@ -179,7 +195,7 @@ def test_old_format_without_pci_bus_id(exporter):
 
 
 def test_mig_series_lowercase_labels_and_nvswitch(exporter):
-    result = DcgmSource(exporter.serve("/metrics", fixture("dcgm-exporter-3.3-mig.txt")), 2.0).collect(NOW)
+    result = scrape_after_baseline(exporter, fixture("dcgm-exporter-3.3-mig.txt"))
     assert result.health.errors == {}
     (gpu,) = result.gpus  # three instances of one GPU, one NVSwitch series: one GPU
     assert (gpu.index, gpu.uuid, gpu.pci_bus_id) == (0, "GPU-265c9814-6156-355b-e589-ff2064894f16", "0000:c5:00.0")
@@ -208,7 +224,7 @@ def test_one_x_compatibility_names(exporter):
             'dcgm_ecc_dbe_aggregate_total{gpu="1",uuid="GPU-y"} 3\n'
             'dcgm_xid_errors{gpu="1",uuid="GPU-y"} 79\n'
             'dcgm_gpu_temp{gpu="1",uuid="GPU-y"} 60\n')
-    result = scrape(exporter, body)
+    result = scrape_after_baseline(exporter, body)
     (gpu,) = result.gpus
     assert (gpu.index, gpu.ecc.aggregate_uncorrected, gpu.temperature_c) == (1, 3, 60.0)
     assert [e.xid for e in result.xids] == [79]
@@ -257,11 +273,25 @@ def test_each_new_xid_value_is_one_event(exporter):
         assert [(e.gpu_index, e.xid) for e in result.xids] == expected, served
 
 
-def test_nonzero_gauge_at_start_is_reported_once_and_failures_do_not_replay_it(exporter):
+def test_nonzero_gauge_at_start_is_a_baseline_not_an_event(exporter):
+    base = fixture("dcgm-exporter-3.3-h100x8.txt")
+    exporter.serve("/metrics", with_xids(base, {2: 94, 6: 79}))
+    first = DcgmSource(exporter.url("/metrics"), 2.0).collect(NOW)
+    assert first.health.up is True and first.xids == ()
+    assert first.health.errors == {"baseline": 2}  # GPU 2's 94 and GPU 6's 79, counted, not events
+    # An agent restart is a new source against the same exporter: the stale 94 is not new again.
+    restarted = DcgmSource(exporter.url("/metrics"), 2.0)
+    assert restarted.collect(NOW + 600).xids == ()
+    # Only a later change is an event.
+    exporter.serve("/metrics", with_xids(base, {2: 94, 6: 48}))
+    assert [(e.gpu_index, e.xid) for e in restarted.collect(NOW + 630).xids] == [(6, 48)]
+
+
+def test_baseline_survives_failures_so_an_outage_does_not_replay_it(exporter):
     base = fixture("dcgm-exporter-3.3-h100x8.txt")
     exporter.serve("/metrics", with_xids(base, {2: 94}))
     source = DcgmSource(exporter.url("/metrics"), 2.0)
-    assert [(e.gpu_index, e.xid) for e in source.collect(NOW).xids] == [(2, 94)]
+    assert source.collect(NOW).xids == ()
     exporter.serve("/metrics", "oops", status=500)
     failed = source.collect(NOW + 30)
     assert (failed.health.up, failed.xids, failed.gpus) == (False, (), ())
@@ -271,7 +301,7 @@ def test_nonzero_gauge_at_start_is_reported_once_and_failures_do_not_replay_it(e
     recovered = source.collect(NOW + 90)
     assert recovered.health.up is True
     assert recovered.xids == ()  # the same 94, seen before the outage: not new
-    assert recovered.health.errors == {"http_5xx": 1, "parse": 1}
+    assert recovered.health.errors == {"baseline": 1, "http_5xx": 1, "parse": 1}
 
 
 # -- failures ------------------------------------------------------------------------------------

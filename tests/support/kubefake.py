@@ -16,7 +16,13 @@ REAL ``kubernetes`` Python client talking HTTP to this server (``ThreadingHTTPSe
   a PATCH whose patched object carries another ``metadata.resourceVersion``, or a PUT with a stale
   one, gets ``409 Conflict`` with a proper ``Status`` object;
 - ``LIST /api/v1/nodes`` with ``labelSelector`` (``=``, ``==``, ``!=``, exists, ``!key``, ``in``,
-  ``notin``) and ``fieldSelector`` (``metadata.name``, ``spec.unschedulable``);
+  ``notin``) and ``fieldSelector`` (``metadata.name``, ``spec.unschedulable``), and the list's
+  ``resourceVersion`` semantics: unset is a quorum read (the live state); ``0`` is "any", served
+  from the watch cache; ``N`` (alone or with ``resourceVersionMatch=NotOlderThan``) is "not older
+  than N", served from the watch cache once it has caught up to N, ``504`` "Too large resource
+  version" for a version the server has not reached; ``resourceVersionMatch`` without a
+  ``resourceVersion`` is ``422 Invalid``. The watch cache is the live state unless
+  ``hold_watch_cache()`` makes it lag behind (see the switches);
 - ``watch=true`` streaming (chunked, one JSON event per line, ADDED/MODIFIED/DELETED with the
   selector transitions the real server makes): from ``resourceVersion`` ""/"0" it starts with an
   ADDED per object, from any other version it replays what happened after it; a version older
@@ -38,6 +44,9 @@ status=500)`` (the next n requests, watches included, get that status with a mat
 410 ``Expired``, 403 ``Forbidden``, ...), ``conflict_next_writes(n)`` (the next n writes get
 409), ``drop_watches()`` (open watch streams are cut mid-stream, no final chunk),
 ``compact()`` (forget the watch history: resuming from any older version is a 410),
+``hold_watch_cache()``/``release_watch_cache()`` (the watch cache stops at the current state, as
+one lagging behind etcd does: cache-served lists answer from it, except a NotOlderThan list for a
+newer version, which the real server answers once its cache caught up),
 ``send_raw_watch_line(text)`` (a line that is not an event, into every open stream). Every request
 is recorded (``requests()``, ``writes()``, ``watches()``) so tests can count what the client did;
 ``open_watches()`` says how many streams are being served.
@@ -55,7 +64,8 @@ Use::
 What it LEAVES OUT of Kubernetes: authentication, authorization (RBAC) and admission; every
 resource but nodes and events.k8s.io/v1 events (no core/v1 events, no leases, no discovery);
 protobuf, CBOR, YAML and table output; server-side apply and managedFields; pagination
-(``limit``/``continue`` are ignored); ``dryRun``; ``generation``; finalizers and graceful deletion;
+(``limit``/``continue`` are ignored); ``resourceVersionMatch=Exact`` (400) and the up-to-3 s
+wait before a "too large resource version" 504; ``dryRun``; ``generation``; finalizers and graceful deletion;
 ``$setElementOrder`` and ``$retainKeys`` (accepted, ignored); most field validation beyond the list
 above; Event TTL expiry; HTTP/2. Of watches: ``sendInitialEvents``/``resourceVersionMatch``
 (streaming lists), the "too large resource version" wait, watch-cache progress notifications
@@ -510,6 +520,7 @@ class KubeFake:
         self._events: dict[tuple[str, str], dict] = {}
         self._history: list[tuple[int, str, str, dict, dict | None]] = []  # rv, kind, type, obj, old
         self._history_floor = 0  # a watch from a version older than this is a 410
+        self._cache: tuple[int, dict[str, dict]] | None = None  # a held watch cache: (rv, nodes)
         self._watchers: list[_Watcher] = []
         self._log: list[RecordedRequest] = []
         self._fail_next = 0
@@ -622,6 +633,16 @@ class KubeFake:
         with self._lock:
             self._history.clear()
             self._history_floor = self._rv
+
+    def hold_watch_cache(self) -> None:
+        """Lists served from the watch cache answer with the nodes as they are now, until
+        ``release_watch_cache()``: a cache lagging behind etcd."""
+        with self._lock:
+            self._cache = (self._rv, copy.deepcopy(self._nodes))
+
+    def release_watch_cache(self) -> None:
+        with self._lock:
+            self._cache = None
 
     def send_bookmarks(self) -> None:
         """A BOOKMARK with the newest resourceVersion into every watch that asked for them."""
@@ -802,10 +823,31 @@ class KubeFake:
         labels = parse_label_selector(query.get("labelSelector", ""))
         fields = parse_field_selector(query.get("fieldSelector", ""), NODE_FIELDS)
         with self._lock:
-            items = [copy.deepcopy(n) for _, n in sorted(self._nodes.items())
+            version, nodes = self._list_source(query.get("resourceVersion", ""),
+                                               query.get("resourceVersionMatch", ""))
+            items = [copy.deepcopy(n) for _, n in sorted(nodes.items())
                      if labels(n["metadata"].get("labels") or {}) and fields(n)]
             return {"kind": "NodeList", "apiVersion": "v1",
-                    "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+                    "metadata": {"resourceVersion": str(version)}, "items": items}
+
+    def _list_source(self, since: str, match: str) -> tuple[int, dict[str, dict]]:
+        """(version, nodes) a list with this resourceVersion/resourceVersionMatch is served from."""
+        if match and not since:
+            raise ApiError(422, "Invalid", "ListOptions.meta.k8s.io \"\" is invalid: resourceVersionMatch: "
+                                           "Forbidden: resourceVersionMatch is forbidden unless resourceVersion "
+                                           "is provided")
+        if match not in ("", "NotOlderThan"):
+            raise ApiError(400, "BadRequest", f"resourceVersionMatch={match!r} is not served by the fake")
+        if since and not since.isdigit():
+            raise ApiError(400, "BadRequest", f"invalid resource version {since!r}")
+        if not since:
+            return self._rv, self._nodes  # a quorum read from etcd
+        wanted = int(since)
+        if wanted > self._rv:
+            raise ApiError(504, "Timeout", f"Too large resource version: {wanted}, current: {self._rv}")
+        if self._cache is not None and wanted <= self._cache[0]:
+            return self._cache
+        return self._rv, self._nodes  # the cache is (or caught up to) the live state
 
     def _open_watch(self, kind, query, fields):
         labels = parse_label_selector(query.get("labelSelector", ""))

@@ -18,6 +18,8 @@ from typing import Iterator, Mapping
 import pytest
 import yaml
 
+from tests.support import wait
+
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = REPO / "dashboards"
 ALERTS_DIR = REPO / "alerts"
@@ -210,24 +212,9 @@ def http_json(url: str, payload=None, timeout: float = 10.0):
 
 
 def wait_for(predicate, *, timeout: float, interval: float = 0.25, what: str = "condition"):
-    """Poll until ``predicate()`` returns something truthy and return it; fail naming ``what``.
-
-    Deadlines are generous and only bound a hang: no test asserts how long anything took.
-    """
-    import time
-
-    deadline = time.monotonic() + timeout
-    last_error = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except Exception as exc:  # a server still starting refuses connections
-            last_error = exc
-            value = None
-        if value:
-            return value
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}" + (f" (last error: {last_error!r})" if last_error else ""))
+    """``tests.support.wait.wait_for`` for real servers: any exception means "not yet" (a server
+    still starting refuses connections). Deadlines only bound a hang, never a measurement."""
+    return wait.wait_for(predicate, timeout, what, interval=interval, retry_on=(Exception,))
 
 
 class ServerProcess:

@@ -60,6 +60,8 @@ CONTRACT: list[tuple[str, str, tuple[str, ...]]] = [
 EXTRAS = [
     ("training_rendezvous_total", "counter", ("job",)),
     ("training_jobs", "gauge", ()),
+    ("internal_errors_total", "counter", ("component", "kind")),
+    ("kube_watch_up", "gauge", ()),
 ]
 
 

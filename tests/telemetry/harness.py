@@ -1,27 +1,16 @@
 """Test harness for the telemetry tests: a real AgentServer on 127.0.0.1 with its own registry,
-injected clocks, and a poll-until helper (a bound, never a measurement)."""
+injected clocks (polling lives in tests/support/wait.py)."""
 
 from __future__ import annotations
 
 import gzip
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable
 
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
 from healthagent.telemetry.training_intake import TrainingIntake
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until true; fail after a generous ``timeout`` (a bound, not a measurement)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.01)
 
 
 class FakeClock:

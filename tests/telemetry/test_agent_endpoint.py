@@ -17,7 +17,7 @@ import pytest
 
 from healthagent.config import load_settings
 from healthagent.telemetry.training_client import TrainingReporter
-from tests.telemetry.harness import wait_until
+from tests.support.wait import wait_for
 from tests.telemetry.contract import CONTRACT, EXTRAS, parse, sample_value
 
 pytestmark = pytest.mark.integration
@@ -59,7 +59,7 @@ def runtime(tmp_path: Path, monkeypatch):
 def test_a_running_agent_on_the_demo_node_exports_the_contract(runtime):
     running, node = runtime
     port = running.server.port
-    wait_until(lambda: running.agent.cycles > 1 and running.telemetry.snapshot is not None
+    wait_for(lambda: running.agent.cycles > 1 and running.telemetry.snapshot is not None
                and len(running.telemetry.snapshot.efa) == 32 and len(running.telemetry.snapshot.gpus) == 8,
                what="the agent to read 8 GPUs and 32 EFA devices")
     node.inject_xid(3, 79)
@@ -68,8 +68,8 @@ def test_a_running_agent_on_the_demo_node_exports_the_contract(runtime):
     for step in range(1, 6):
         reporter.report_step(step, tokens=4096, samples=8, step_seconds=1.0)
     reporter.close(timeout=30)
-    wait_until(lambda: any(79 in f.xids for f in running.agent.verdict.findings), what="XID 79 to be found")
-    wait_until(lambda: running.telemetry.snapshot.verdict is not None
+    wait_for(lambda: any(79 in f.xids for f in running.agent.verdict.findings), what="XID 79 to be found")
+    wait_for(lambda: running.telemetry.snapshot.verdict is not None
                and running.telemetry.snapshot.verdict.action.value != "none", what="the verdict to be published")
 
     families = scrape(port)
@@ -102,7 +102,7 @@ def test_a_running_agent_on_the_demo_node_exports_the_contract(runtime):
 def test_probes_of_a_running_agent(runtime):
     running, _ = runtime
     port = running.server.port
-    wait_until(lambda: running.agent.cycles > 0)
+    wait_for(lambda: running.agent.cycles > 0)
 
     def status(path: str) -> int:
         try:
@@ -111,5 +111,5 @@ def test_probes_of_a_running_agent(runtime):
         except urllib.error.HTTPError as exc:
             return exc.code
 
-    wait_until(lambda: status("/readyz") == 200, what="/readyz (dry-run is ready after one cycle)")
+    wait_for(lambda: status("/readyz") == 200, what="/readyz (dry-run is ready after one cycle)")
     assert status("/healthz") == 200

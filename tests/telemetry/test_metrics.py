@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 from prometheus_client.exposition import choose_encoder, generate_latest
 
 from healthagent.model import Action, Finding, GpuSample, Verdict, XidCount
+from healthagent.telemetry import metrics
 from healthagent.telemetry.metrics import Telemetry, efa_family_name
 from healthagent.telemetry.training_schema import RendezvousReport, StepReport
 from tests.telemetry.harness import start_agent
@@ -140,6 +142,53 @@ def test_cached_exposition_equals_encoding_the_whole_registry(accept):
     assert telemetry.exposition(encoder, content_type) == encoder(telemetry.registry)
     telemetry.publish(demo_snapshot(timestamp=NOW + 10))
     assert telemetry.exposition(encoder, content_type) == encoder(telemetry.registry)
+
+
+@pytest.mark.parametrize("accept", ["", "application/openmetrics-text; version=1.0.0"])
+def test_a_part_is_encoded_again_only_when_its_input_changed(monkeypatch, accept):
+    """The loop publishes a new snapshot every cycle with the same GPU/EFA sample objects until a
+    source collects again: those parts are reused, and any change is encoded (byte-identical)."""
+    calls: Counter = Counter()
+
+    def counted(name: str):
+        real = getattr(metrics, name)
+
+        def render(*args):
+            calls[name] += 1
+            return real(*args)
+        return render
+
+    for name in ("_gpu_families", "_efa_families", "_other_families"):
+        monkeypatch.setattr(metrics, name, counted(name))
+    telemetry = Telemetry("1")
+    encoder, content_type = choose_encoder(accept)
+    first = demo_snapshot()
+
+    def scrape_matches_full_encode() -> bytes:
+        body = telemetry.exposition(encoder, content_type)
+        assert body == encoder(telemetry.registry)
+        return body
+
+    telemetry.publish(first)
+    scrape_matches_full_encode()
+    calls.clear()
+    # Next cycles: new snapshot objects, same gpus tuple, an equal (not identical) efa tuple.
+    for cycle in range(1, 4):
+        telemetry.publish(replace(first, timestamp=NOW + cycle / 10, efa=tuple(first.efa)))
+        telemetry.exposition(encoder, content_type)
+    assert calls == Counter({"_other_families": 3})
+    # NVML collected again and one temperature moved: the GPU part (only) is encoded again.
+    gpus = first.gpus[:2] + (replace(first.gpus[2], temperature_c=91.0),) + first.gpus[3:]
+    telemetry.publish(replace(first, timestamp=NOW + 1, gpus=gpus))
+    calls.clear()
+    body = scrape_matches_full_encode()
+    assert calls["_gpu_families"] >= 1 and calls["_efa_families"] == 1  # the full encode renders both once
+    assert f'healthagent_gpu_temperature_celsius{{gpu="2",uuid="{uuid(2)}"}} 91.0'.encode() in body
+    # EFA counters moved: that part follows.
+    efa = (replace(first.efa[0], counters={**first.efa[0].counters, "rx_drops": 424242}),) + first.efa[1:]
+    telemetry.publish(replace(first, timestamp=NOW + 2, gpus=gpus, efa=efa))
+    body = scrape_matches_full_encode()
+    assert b'healthagent_efa_rx_drops_total{efa_device="rdmap16s0",port="1"} 424242.0' in body
 
 
 def test_lost_gpu_is_down_and_its_stale_readings_are_not_rendered():

@@ -10,7 +10,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
-from tests.telemetry.harness import wait_until
+from tests.support.wait import wait_for
+from tests.telemetry.harness import start_agent
 from tests.telemetry.snapshots import demo_snapshot
 
 pytestmark = pytest.mark.integration
@@ -145,6 +146,38 @@ def test_connections_over_the_cap_are_refused_and_the_server_recovers():
             return conn.recv(4096).startswith(b"HTTP/1.0 200")
 
     try:
-        wait_until(answered, what="a free connection slot")
+        wait_for(answered, what="a free connection slot")
     finally:
         server.stop()
+    # Counted (exported as internal_errors_total{component="http"}): the extra connection, and
+    # any poll of answered() that came before a slot was free again.
+    assert set(server.errors) == {"refused"} and server.errors["refused"] >= 1
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "Bearer s3cret-tokenX", "s3cret-token",
+                                           "Basic czNjcmV0LXRva2Vu"])
+def test_a_training_token_keeps_out_reports_without_it(authorization):
+    agent = start_agent(training_token="s3cret-token")
+    try:
+        headers = {"Content-Type": "application/json"}
+        if authorization is not None:
+            headers["Authorization"] = authorization
+        reply = agent.request("/v1/training", method="POST", body=b'{"type":"end","job":"j"}', headers=headers)
+        assert reply.status == 401
+        assert reply.headers["WWW-Authenticate"].startswith("Bearer")
+        assert json.loads(reply.body)["reason"] == "unauthorized"
+        assert agent.intake.jobs() == []  # nothing applied
+        assert 'healthagent_training_reports_rejected_total{reason="unauthorized"} 1.0' in agent.scrape().text
+        # The token opens the intake; /metrics and the probes stay open (kubelet, Prometheus).
+        good = agent.request("/v1/training", method="POST", body=b'{"type":"end","job":"j"}',
+                             headers={"Content-Type": "application/json", "Authorization": "Bearer s3cret-token"})
+        assert good.status == 202 and agent.intake.jobs() == ["j"]
+        assert agent.request("/healthz").status == 200 and agent.scrape().status == 200
+    finally:
+        agent.server.stop()
+
+
+def test_without_a_token_the_intake_needs_no_authorization(agent):
+    reply = agent.post_json('{"type":"end","job":"j"}')
+    assert reply.status == 202
+    assert 'healthagent_training_reports_rejected_total{reason="unauthorized"} 0.0' in agent.scrape().text

@@ -24,7 +24,8 @@ from healthagent.telemetry.training_client import (
     agent_base_url,
     default_job,
 )
-from tests.telemetry.harness import RunningAgent, start_agent, wait_until
+from tests.support.wait import wait_for
+from tests.telemetry.harness import RunningAgent, start_agent
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10_000
@@ -68,18 +69,22 @@ def test_ten_thousand_steps_through_an_agent_stop_and_restart():
     second = None
     try:
         assert phase_one_done.wait(60)
-        wait_until(lambda: steps_counted(first) > 0, what="the first agent to count steps")
+        wait_for(lambda: steps_counted(first) > 0, what="the first agent to count steps")
         first.server.stop()
         stopped.set()
         assert phase_two_done.wait(60)  # 4,000 steps reported while nothing listens
+        # On a loaded machine the sender thread may not have run yet: let it meet the outage
+        # before the agent comes back (a bound on a hang, not a timing).
+        wait_for(lambda: reporter.stats().send_errors >= 1, timeout=120,
+                 what="the sender to notice the stopped agent")
         second = start_agent(port)  # the restarted agent listens where the first one did
         restarted.set()
         loop.join(120)
         assert not loop.is_alive()
-        wait_until(lambda: reporter.stats().pending == 0, what="the backlog to drain")
+        wait_for(lambda: reporter.stats().pending == 0, what="the backlog to drain")
         for n in range(STEPS, STEPS + 10):  # later reports arrive at the restarted agent
             assert reporter.report_step(n, tokens=4096, samples=8, step_seconds=0.5)
-        wait_until(lambda: second.intake.jobs() == ["llama"] and steps_counted(second) > 0)
+        wait_for(lambda: second.intake.jobs() == ["llama"] and steps_counted(second) > 0)
         reporter.close(timeout=30)
         last_step = [row for row in second.scrape().text.splitlines()
                      if row.startswith('healthagent_training_last_step_timestamp_seconds{job="llama"}')]
@@ -128,7 +133,7 @@ def test_a_down_agent_costs_nothing_but_drops():
     reporter = TrainingReporter(job="j", url=f"http://127.0.0.1:{port}", queue_size=10, batch_size=5,
                                 min_backoff_seconds=0.01, max_backoff_seconds=0.02)
     results = [reporter.report_step(n, step_seconds=0.1) for n in range(1000)]
-    wait_until(lambda: reporter.stats().send_errors >= 2, what="two failed attempts")
+    wait_for(lambda: reporter.stats().send_errors >= 2, what="two failed attempts")
     reporter.close(timeout=5)
     stats = reporter.stats()
     assert sum(results) <= 10 + 5
@@ -265,3 +270,23 @@ def test_close_is_idempotent_and_never_raises():
     with TrainingReporter(job="j", url="http://127.0.0.1:9") as other:
         assert other.report_end() is True
     assert json.dumps(reporter.stats().__dict__)
+
+
+@pytest.mark.integration
+def test_the_client_sends_the_training_token_from_the_environment():
+    protected = start_agent(training_token="s3cret-token")
+    try:
+        url = protected.url
+        with_token = TrainingReporter(job="llama", url=url, rank=0, world_size=2,
+                                      env={"HEALTHAGENT_TRAINING_TOKEN": "s3cret-token"})
+        without = TrainingReporter(job="other", url=url, rank=0, world_size=2, env={})
+        for reporter in (with_token, without):
+            for step in range(1, 300):  # a body of tens of KiB behind the 401: read, not reset
+                reporter.report_step(step, tokens=4096, samples=8, step_seconds=1.0)
+            reporter.close(timeout=30)
+        assert with_token.stats().delivered == 299 and with_token.stats().rejected == 0
+        assert without.stats().delivered == 0 and without.stats().rejected == 299
+        assert without.stats().send_errors == 0  # a clean 401, not a reset connection
+        assert protected.intake.jobs() == ["llama"]
+    finally:
+        protected.server.stop()
