@@ -18,8 +18,10 @@ import urllib.request
 from pathlib import Path
 
 from healthagent.config import load_settings
+from healthagent.model import Action
 
 POLL_SECONDS = 0.02
+DEMO_GRACE_SECONDS = 3.0  # NoSchedule -> NoExecute for replace_node; 120 s on a real node
 
 
 def _say(text: str = "") -> None:
@@ -61,6 +63,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "state_file": str(Path(tmp) / "state.json"), "node_name": "demo-p5-node",
             "expected_gpus": 8, "expected_efa_devices": len(node.efa_devices),
             "nvml_interval_seconds": 1, "efa_interval_seconds": 1, "log_level": "WARNING",
+            "replace_noexecute_grace_seconds": DEMO_GRACE_SECONDS,
         })
         from healthagent.agent import AgentRuntime
 
@@ -107,9 +110,17 @@ def _script(args: argparse.Namespace, node, runtime) -> int:
         _say(f"      next: {f.next_steps}")
 
     _say("\n3. What the agent would write to Kubernetes (dry-run; log lines above show each write)")
-    _wait_for(lambda: agent.effects_worker is None or agent.effects_worker.reconciles > 0, 5)
+    def taint_is(effect: str):
+        return lambda: agent._kube_status.taint_effect == effect
+
+    if agent.verdict.action.needs_node_action and _wait_for(taint_is("NoSchedule"), 10):
+        _say("   taint NoSchedule now: no new pods land here; the job keeps running so it can checkpoint")
+        if agent.verdict.action is Action.REPLACE_NODE:
+            _say(f"   (the grace before NoExecute is {DEMO_GRACE_SECONDS:g} s in the demo, 120 s by default)")
+            if _wait_for(taint_is("NoExecute"), DEMO_GRACE_SECONDS + 15):
+                _say("   taint NoExecute now: the job's pods are evicted and it re-rendezvous without this node")
     kube = agent._kube_status
-    _say(f"   taint effect now: {kube.taint_effect or 'none'}; budget blocked: {kube.budget_blocked}")
+    _say(f"   taint effect now: {kube.taint_effect or 'none'}; budget holding it back: {kube.budget_blocked}")
 
     _say("\n4. What Prometheus scrapes from the agent now")
     _wait_for(lambda: True, 0.2)
