@@ -20,6 +20,7 @@ bad ones in) against the operator's intent.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -68,6 +69,7 @@ THRESHOLDS: dict[str, Threshold] = {
     "efa_wr_err_per_minute": Threshold(100, "number", "rdma_read_wr_err + rdma_write_wr_err per minute tolerated (AWS: 100)"),
 }
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds")
 
 
@@ -93,6 +95,13 @@ class Policy:
         return code not in self.disabled_rules
 
 
+def _shown(key: Any) -> str:
+    """A key as an error message names it: as written when it is a plain name, else quoted, so a
+    key holding a newline or other control characters cannot break the one-line message."""
+    text = str(key)
+    return text if _PLAIN_KEY.fullmatch(text) else repr(text)
+
+
 def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:
     if raw is None:
         return MappingProxyType({})
@@ -101,7 +110,7 @@ def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:
     out: dict[int, Action] = {}
     for key, value in raw.items():
         if isinstance(key, bool) or not str(key).strip().isdigit():
-            raise PolicyError(f"{section}.{key}: {key!r} is not an {what} number; use an integer such as 94")
+            raise PolicyError(f"{section}.{_shown(key)}: {key!r} is not an {what} number; use an integer such as 94")
         number = int(str(key).strip())
         if not isinstance(value, str):
             raise PolicyError(f"{section}.{number}: {value!r} is not an action; use one of: "
@@ -116,7 +125,7 @@ def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:
 def _threshold(key: str, raw: Any) -> float:
     spec = THRESHOLDS.get(key)
     if spec is None:
-        raise PolicyError(f"thresholds.{key}: unknown threshold; valid: " + ", ".join(sorted(THRESHOLDS)))
+        raise PolicyError(f"thresholds.{_shown(key)}: unknown threshold; valid: " + ", ".join(sorted(THRESHOLDS)))
     example = f"e.g. {spec.default:g}"
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
         raise PolicyError(f"thresholds.{key}: {raw!r} is not a number; use a number, {example}")

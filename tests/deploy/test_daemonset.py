@@ -131,8 +131,8 @@ def test_listen_port_matches_the_container_port(rendered):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_resources_are_bounded(rendered, overlay):
     assert agent_container(rendered[overlay])["resources"] == {
-        "requests": {"cpu": "50m", "memory": "96Mi"},
-        "limits": {"cpu": "250m", "memory": "192Mi"},
+        "requests": {"cpu": "50m", "memory": "128Mi"},
+        "limits": {"cpu": "1", "memory": "256Mi"},
     }
 
 

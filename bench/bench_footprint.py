@@ -1,0 +1,218 @@
+"""Footprint of the agent on the demo node: memory, CPU, cycle time, /metrics render time, series.
+
+    .venv/bin/python -m bench.bench_footprint [--intervals 360] [--real-seconds 120]
+
+The demo node is a p5.48xlarge-shaped host root: 8 x H100 through the stub NVML library, 32 EFA
+devices in sysfs, a /dev/kmsg-format kernel log. Two parts:
+
+1. an hour in fast-forward (in a child process: the agent and the counter moves, nothing else): the real ``Agent`` with
+   its real sources on a simulated clock, ``--intervals`` 10 s intervals back to back (360 = one
+   hour). Each interval: the EFA traffic counters of every device and two NVML fields move, one full
+   cycle runs (kernel log + NVML + EFA, classify, save state), then the 99 kernel-log-only cycles
+   that 0.1 s polling makes in 10 s, then one /metrics render. It reports RSS after the first
+   interval, after 36 (six minutes) and at the end, the peak (VmHWM), the median and p99 of a full
+   cycle and of a kernel-log-only cycle (wall time, and the process's CPU time: the periodic
+   sources run on worker threads under a deadline, so the loop thread's own time would miss
+   them; the stub NVML library's 5 ms event polling falls into it too), /metrics render
+   times (first render of a new snapshot, and a repeat) and the series count; CPU% at the 10 s
+   interval is computed from them: (full cycle + 99 log-only cycles + one render) / 10 s. The
+   process also holds this script's own work (moving counters), so its RSS is an upper bound;
+   the soak script (``bench/soak.py``) measures the agent alone over real hours.
+2. the real agent on the wall clock: ``healthagent run`` (default settings, Kubernetes in dry-run)
+   for ``--real-seconds`` while the counters move every 10 s; its process CPU time over the wall
+   time, its RSS. Run with NVML and with ``--no-nvml``: the stub library's event wait polls its
+   scenario file every 5 ms (a real driver sleeps in the kernel), and the difference shows what
+   that costs the test double rather than the agent. Run a third time writing to the fake API
+   server through the ``kubernetes`` client, as in a cluster (that library's share of the RSS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import machine, median, mib, percentile, table
+from tests.support.live_agent import AgentProcess, HoldingKubeFake, Scrape, proc_status_kib, write_kubeconfig
+
+INTERVAL = 10.0
+POLL = 0.1
+MOVING_COUNTERS = ("tx_bytes", "rx_bytes", "rdma_write_bytes", "rdma_write_recv_bytes")
+
+
+class SimClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def move_counters(demo, step: int) -> None:
+    """What two busy training minutes do to a node: traffic counters up, GPU temperature/power wiggle."""
+    from healthagent.demo import stub_nvml
+
+    for device in demo.efa_devices:
+        for counter in MOVING_COUNTERS:
+            demo.bump_efa_counter(device, counter, 2_700_000_000 * 10 + step)
+    gpu = step % 8
+    stub_nvml.set_gpu_field(demo.scenario, gpu, "temperature_c", 55 + step % 9)
+    stub_nvml.set_gpu_field(demo.scenario, gpu, "power_mw", 610_000 + 1000 * (step % 50))
+
+
+def fast_forward(intervals: int, work: Path) -> dict:
+    """Part 1, run in a child process; returns the figures as a dict."""
+    from prometheus_client.exposition import generate_latest
+
+    from healthagent.agent import AgentRuntime
+    from healthagent.config import load_settings
+    from healthagent.demo.node import build_demo_root
+
+    demo = build_demo_root(work / "root")
+    os.environ["HEALTHAGENT_STUB_NVML_SCENARIO"] = str(demo.scenario)
+    clock = SimClock(time.time())
+    settings = load_settings(env={}, flags=dict(
+        host_root=str(demo.root), kube="dry-run", node_name="demo-p5-node", listen="127.0.0.1:0",
+        state_file=str(work / "state.json"), expected_gpus=8, expected_efa_devices=32, log_level="WARNING"))
+    runtime = AgentRuntime(settings, clock=clock)
+    agent = runtime.agent
+    agent.start_effects()
+    telemetry = runtime.telemetry
+
+    full_wall, full_cpu, idle_wall, idle_cpu = [], [], [], []
+    render_first, render_repeat, sources = [], [], {"nvml": [], "efa": [], "kmsg": []}
+    rss = {}
+    series = 0
+    for step in range(intervals):
+        move_counters(demo, step)
+        clock.now += POLL
+        for item in agent.scheduled:
+            item.next_due = 0.0  # due: the simulated 10 s have passed
+        started, started_cpu = time.perf_counter(), time.process_time()
+        agent.cycle()
+        full_wall.append(time.perf_counter() - started)
+        full_cpu.append(time.process_time() - started_cpu)
+        for name in sources:
+            sources[name].append(agent._health[name].duration_seconds)
+        for item in agent.scheduled:
+            item.next_due = float("inf")  # the rest of the interval: kernel log only
+        for _ in range(int(INTERVAL / POLL) - 1):
+            clock.now += POLL
+            started, started_cpu = time.perf_counter(), time.process_time()
+            agent.cycle()
+            idle_wall.append(time.perf_counter() - started)
+            idle_cpu.append(time.process_time() - started_cpu)
+        started = time.perf_counter()
+        body = telemetry.exposition(generate_latest, "text/plain")
+        render_first.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        telemetry.exposition(generate_latest, "text/plain")
+        render_repeat.append(time.perf_counter() - started)
+        if step == 0:
+            rss["first"] = proc_status_kib(os.getpid(), "VmRSS")
+            series = Scrape(body.decode()).series()
+        if step == min(35, intervals - 1):
+            rss["six_minutes"] = proc_status_kib(os.getpid(), "VmRSS")
+    rss["end"] = proc_status_kib(os.getpid(), "VmRSS")
+    rss["peak"] = proc_status_kib(os.getpid(), "VmHWM")
+    verdict = agent.verdict.action.value
+    agent.shutdown(grace_seconds=5)
+    return {"intervals": intervals, "rss_kib": rss, "series": series, "verdict": verdict,
+            "full_wall": full_wall, "full_cpu": full_cpu, "idle_wall": idle_wall, "idle_cpu": idle_cpu,
+            "render_first": render_first, "render_repeat": render_repeat, "sources": sources}
+
+
+def real_run(seconds: float, nvml: bool, kube_url: str | None, work: Path, cache: Path) -> dict:
+    """Part 2: the agent process on the wall clock; its CPU time over wall time and its RSS.
+    ``kube_url``: write to that (fake) API server through the kubernetes client, else dry-run."""
+    from healthagent.demo.node import build_demo_root
+
+    demo = build_demo_root(work / "root")
+    kube = dict(kube="kubeconfig", kubeconfig=write_kubeconfig(kube_url, work / "kubeconfig")) if kube_url \
+        else dict(kube="dry-run")
+    agent = AgentProcess(dict(host_root=demo.root, node_name="gpu-node-0", listen="127.0.0.1:0",
+                              state_file=work / "state.json", expected_gpus=8, expected_efa_devices=32,
+                              no_nvml=not nvml, **kube),
+                         work / "agent.log", env={"XDG_CACHE_HOME": str(cache)})
+    try:
+        agent.wait_metric(lambda s: s.value("healthagent_efa_devices") == 32, what="a first cycle")
+        cpu0, wall0 = agent.cpu_seconds(), time.monotonic()
+        step = 0
+        while time.monotonic() - wall0 < seconds:
+            move_counters(demo, step)
+            step += 1
+            time.sleep(max(0.0, min(INTERVAL, seconds - (time.monotonic() - wall0))))
+        cpu, wall = agent.cpu_seconds() - cpu0, time.monotonic() - wall0
+        scrape = agent.scrape()
+        return {"cpu_percent": 100 * cpu / wall, "rss_kib": agent.rss_kib(), "peak_kib": agent.hwm_kib(),
+                "series": scrape.series(), "wall": wall}
+    finally:
+        agent.signal(signal.SIGTERM)
+        agent.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--intervals", type=int, default=360)
+    parser.add_argument("--real-seconds", type=float, default=120.0)
+    parser.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    if args.child:
+        print(json.dumps(fast_forward(args.intervals, Path(args.child))))
+        return
+
+    print(f"footprint on the demo node (8 GPUs via the stub, 32 EFA devices); {machine()}")
+    with tempfile.TemporaryDirectory(prefix="bench-footprint-") as tmp:
+        cache = Path(tmp) / "cache"
+        env = dict(os.environ, XDG_CACHE_HOME=str(cache))
+        child = subprocess.run([sys.executable, "-m", "bench.bench_footprint", "--intervals", str(args.intervals),
+                                "--child", str(Path(tmp) / "ff")], capture_output=True, text=True, env=env,
+                               check=True)
+        r = json.loads(child.stdout.strip().splitlines()[-1])
+        full_cpu, idle_cpu = median(r["full_cpu"]), median(r["idle_cpu"])
+        render = median(r["render_first"])
+        cpu_per_interval = full_cpu + (INTERVAL / POLL - 1) * idle_cpu + render
+        rss = r["rss_kib"]
+        print(f"\n1. {r['intervals']} intervals of 10 s back to back ({r['intervals'] * INTERVAL / 3600:.2f} h "
+              f"equivalent), Kubernetes dry-run, verdict at the end: {r['verdict']}")
+        print(table(["figure", "value"], [
+            ["RSS after the first interval", mib(rss["first"])],
+            ["RSS after 36 intervals (6 min)", mib(rss["six_minutes"])],
+            ["RSS at the end", mib(rss["end"])],
+            ["growth from 6 min to the end", f"{(rss['end'] - rss['six_minutes']) / 1024:+.2f} MiB"],
+            ["peak RSS (VmHWM)", mib(rss["peak"])],
+            ["full cycle wall p50 / p99", f"{median(r['full_wall']) * 1000:.1f} / "
+                                          f"{percentile(r['full_wall'], 0.99) * 1000:.1f} ms"],
+            ["full cycle CPU p50", f"{full_cpu * 1000:.1f} ms"],
+            ["  of which NVML / EFA / kernel log (wall p50)",
+             " / ".join(f"{median(r['sources'][s]) * 1000:.1f}" for s in ("nvml", "efa", "kmsg")) + " ms"],
+            ["kernel-log-only cycle wall / CPU p50", f"{median(r['idle_wall']) * 1e6:.0f} / {idle_cpu * 1e6:.0f} us"],
+            ["/metrics render, new snapshot p50 / p99", f"{render * 1000:.1f} / "
+                                                        f"{percentile(r['render_first'], 0.99) * 1000:.1f} ms"],
+            ["/metrics render, repeat p50", f"{median(r['render_repeat']) * 1000:.2f} ms"],
+            ["series (healthagent_*)", r["series"]],
+            ["CPU per 10 s interval (computed)", f"{cpu_per_interval * 1000:.1f} ms = "
+                                                 f"{100 * cpu_per_interval / INTERVAL:.2f}% of one core"],
+        ]))
+        rows = []
+        with HoldingKubeFake() as fake:
+            fake.seed_nodes(20)
+            for name, nvml, url in (("NVML (stub), dry-run", True, None), ("--no-nvml, dry-run", False, None),
+                                    ("NVML (stub), kubernetes client", True, fake.url)):
+                got = real_run(args.real_seconds, nvml, url, Path(tmp) / f"real-{len(rows)}", cache)
+                rows.append([name, f"{got['cpu_percent']:.2f}%", mib(got["rss_kib"]), mib(got["peak_kib"]),
+                             got["series"]])
+        print(f"\n2. healthagent run, default settings, {args.real_seconds:.0f} s wall clock")
+        print(table(["agent", "CPU (process time / wall)", "RSS", "peak RSS", "series"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The API server misbehaves while a node goes bad: down, slow, 500s, 409 storms, watch streams cut.
+
+In each case the agent (``AgentRuntime`` on the demo node, XID 95 appended to its kernel log) must
+keep detecting without waiting for the API server, must not crash, and once the server behaves
+must leave exactly one taint and one Event on the node, with the metrics telling the story
+(``kube_reachable``, ``kube_pending_writes``, ``kube_writes_total{kind,result}``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.reliability.helpers import (
+    NODE,
+    TAINT_KEY,
+    alive,
+    events_by_reason,
+    our_taints,
+    scrape,
+    wait_metric,
+    wait_warm,
+)
+from tests.support.live_agent import taint_write, wait_until
+
+pytestmark = [pytest.mark.reliability, pytest.mark.integration]
+
+REPLACE = [("replace_node", "NoSchedule")]  # default grace: NoSchedule first, NoExecute after 120 s
+
+
+def replace_decided(s) -> bool:
+    return s.value("healthagent_node_action", action="replace_node") == 1
+
+
+def settled(fake, runtime) -> None:
+    """One taint and one GPU_XID Event on the node, and the agent says nothing is pending."""
+    wait_until(lambda: our_taints(fake) == REPLACE, what="the replace_node taint")
+    wait_until(lambda: events_by_reason(fake).get("GPU_XID") == 1, what="the GPU_XID Event")
+    wait_metric(runtime, lambda s: s.value("healthagent_kube_pending_writes") == 0
+                and s.value("healthagent_kube_reachable") == 1, "nothing pending")
+
+
+def assert_exactly_one_taint_and_event(fake) -> None:
+    taints = fake.node(NODE)["spec"]["taints"]
+    assert [t for t in taints if t["key"] == TAINT_KEY] == [
+        {"key": TAINT_KEY, "value": "replace_node", "effect": "NoSchedule", "timeAdded": taints[0]["timeAdded"]}]
+    assert events_by_reason(fake) == {"GPU_XID": 1}
+
+
+def xid_while(misbehave, fake, demo, start_agent):
+    """A warm agent; the API server starts to misbehave; XID 95 lands in the kernel log."""
+    runtime = start_agent()
+    wait_warm(runtime)
+    fake.reset_log()
+    misbehave()
+    demo.inject_xid(3, 95)
+    return runtime
+
+
+def recovered(fake, runtime) -> None:
+    """Once the server behaves: exactly one taint and one Event, nothing pending, nothing crashed."""
+    settled(fake, runtime)
+    assert_exactly_one_taint_and_event(fake)
+    assert alive(runtime)
+
+
+def test_api_server_down_when_the_fault_comes(fake, demo, start_agent):
+    runtime = xid_while(fake.go_down, fake, demo, start_agent)
+    down = wait_metric(runtime, lambda s: replace_decided(s) and s.value("healthagent_kube_reachable") == 0
+                       and s.value("healthagent_kube_pending_writes") >= 1, "the outage in the metrics")
+    assert our_taints(fake) == [] and fake.events() == []  # nothing reached the server
+    assert down.value("healthagent_node_taint_applied") == 0
+
+    fake.come_up()
+    recovered(fake, runtime)
+    after = scrape(runtime)
+    assert after.value("healthagent_node_taint_applied") == 1
+    assert after.value("healthagent_kube_writes_total", kind="node", result="ok") >= 1
+
+
+def test_api_server_answering_after_10_seconds(fake, demo, start_agent):
+    runtime = xid_while(lambda: fake.set_delay(10.0), fake, demo, start_agent)
+    # The verdict is out while the first request to the server has not even been answered:
+    # detection does not wait for Kubernetes.
+    wait_metric(runtime, replace_decided, "the verdict", timeout=30)
+    assert fake.requests() == [] and our_taints(fake) == []
+    wait_until(lambda: fake.requests(), timeout=60, what="a request answered after the delay")
+    fake.set_delay(0.0)
+    recovered(fake, runtime)
+
+
+def test_500s_from_the_api_server(fake, demo, start_agent):
+    # the next three requests, whatever they are, get 500 Internal Error
+    runtime = xid_while(lambda: fake.fail_next(3), fake, demo, start_agent)
+    failing = wait_metric(runtime, lambda s: s.value("healthagent_kube_reachable") == 0, "the 500s noticed")
+    assert replace_decided(failing)
+    recovered(fake, runtime)
+    assert [r.status for r in fake.requests()].count(500) == 3
+    errors = scrape(runtime).total("healthagent_kube_writes_total", result="error")
+    assert 1 <= errors <= 3  # the 500s that hit writes (others hit the budget count)
+
+
+def test_a_500_on_the_taint_write_itself(fake, demo, start_agent):
+    holds = []
+    runtime = xid_while(lambda: holds.append(fake.hold(taint_write(TAINT_KEY))), fake, demo, start_agent)
+    assert holds[0].arrived.wait(60)
+    holds[0].release(apply=False)  # answered 500, not stored
+    wait_metric(runtime, lambda s: s.value("healthagent_kube_writes_total", kind="node", result="error") == 1,
+                "the failed write counted")
+    recovered(fake, runtime)
+
+
+def test_409_storm_on_the_node(fake, demo, start_agent):
+    # more 409s than one reconcile's attempts (6): the next reconcile must come back for the write
+    runtime = xid_while(lambda: fake.conflict_next_writes(10), fake, demo, start_agent)
+    recovered(fake, runtime)
+    after = scrape(runtime)
+    assert after.value("healthagent_kube_writes_total", kind="node", result="conflict") == 10
+    conflicts = [r for r in fake.writes(f"/api/v1/nodes/{NODE}") if r.status == 409]
+    assert len(conflicts) == 10
+
+
+def watch_requests(fake) -> int:
+    return len([r for r in fake.requests("GET", "/api/v1/nodes") if r.query.get("watch") in ("true", "1")])
+
+
+def test_watch_streams_cut_while_an_operator_clears_the_node(fake, demo, start_agent):
+    from healthagent.effects.node_desired import CLEAR_ANNOTATION
+
+    runtime = xid_while(lambda: None, fake, demo, start_agent)
+    settled(fake, runtime)
+    for _ in range(3):  # the API server cuts the agent's watch, again and again (a rolling upgrade)
+        opened = watch_requests(fake)
+        fake.drop_watches()
+        wait_until(lambda: watch_requests(fake) > opened, timeout=90, what="the watch opened again")
+    # Only now does the operator act: the agent must hear of it through the new watch.
+    fake.update_node(NODE, lambda node: node["metadata"]["annotations"].update({CLEAR_ANNOTATION: "ticket-4711"}))
+    wait_until(lambda: our_taints(fake) == [], timeout=90, what="the taint removed after the clear")
+    cleared = wait_metric(runtime, lambda s: s.value("healthagent_node_action", action="none") == 1
+                          and s.value("healthagent_node_taint_applied") == 0, "the clear in the metrics")
+    assert cleared.total("healthagent_findings") == 0
+    wait_until(lambda: events_by_reason(fake).get("Cleared") == 1, what="the Cleared Event")
+    assert events_by_reason(fake) == {"GPU_XID": 1, "Cleared": 1}
+    taint_adds = [r for r in fake.writes(f"/api/v1/nodes/{NODE}") if r.status == 200
+                  and taint_write(TAINT_KEY)(r.method, r.path, r.body)]
+    assert len(taint_adds) == 1  # the watch's replays never made the agent taint again
+    assert alive(runtime)
