@@ -8,7 +8,11 @@ Shape of one cycle (``Agent.cycle``):
   2. give the classifier everything (policy is pure: it gets the timestamp, never reads a clock);
   3. save the state file (kernel-log cursor + classifier state in ONE atomic write, so a SIGKILL
      between deciding and acting either re-reads the same records or restores the same finding:
-     nothing is lost, nothing is counted twice);
+     nothing is lost, nothing is counted twice) whenever the decision moved: new XIDs were handed
+     to policy, the open findings or their actions changed, or an operator clear was applied.
+     When only counter histories moved, or the cursor passed lines without an XID, the file is
+     saved at most every ``state_save_interval_seconds`` (a restart then re-reads those lines and
+     loses at most that much counter history; it cannot lose a finding); on shutdown always;
   4. hand the verdict to the effects worker and publish the snapshot for /metrics.
 
 Kubernetes writes run on their own thread (``EffectsWorker``): an API server that is slow or down
@@ -170,6 +174,12 @@ class EffectsWorker:
         return counts
 
 
+def _findings_signature(verdict: Verdict | None) -> frozenset:
+    """What the state file must hold before effects act: which findings are open, at which action
+    (the effects' Events and taints key on exactly these)."""
+    return frozenset((f.key, f.action) for f in verdict.findings) if verdict is not None else frozenset()
+
+
 def _verdict_signature(verdict: Verdict) -> tuple:
     return (verdict.action, verdict.unobserved,
             tuple((f.key, f.action, f.count) for f in verdict.findings))
@@ -210,6 +220,9 @@ class Agent:
         self.xids = XidTally()
         self.verdict: Verdict | None = None
         self.cycles = 0
+        self.state_saves = 0  # times the loop saved the cursor + classifier state
+        self._saved_findings: frozenset | None = None  # (key, action) of the open findings last saved
+        self._saved_at: float | None = None  # loop clock of that save
         self._health: dict[str, SourceHealth] = {}
         self._source_errors: dict[str, Mapping[str, int]] = {}  # each source's own cumulative tally
         self._raised: Counter = Counter()  # collect() calls that raised, by source (cumulative)
@@ -256,8 +269,12 @@ class Agent:
                 self.xids.add(event)
             if enriched:
                 log.info("xids=%s verdict=%s", ",".join(str(x.xid) for x in enriched), verdict.action.value)
-            self._persist()
+            findings = _findings_signature(verdict)
+            if enriched or cleared or findings != self._saved_findings:
+                self._persist(now, findings)  # before effects act: the SIGKILL contract
             self._set_verdict(verdict)
+        if self._saved_at is None or not 0 <= now - self._saved_at < self.settings.state_save_interval_seconds:
+            self._persist(now, _findings_signature(self.verdict))  # counter histories, cursor over noise
         self.cycles += 1
         self._publish(now, gpus, efa)
         return self.verdict
@@ -302,7 +319,9 @@ class Agent:
                 by_source[item.source.name] = item.last.gpus
         return by_source.get("nvml") or by_source.get("dcgm") or ()
 
-    def _persist(self) -> None:
+    def _persist(self, now: float | None = None, findings: frozenset | None = None) -> None:
+        """Save the kernel-log cursor and the classifier state in one atomic write (and note what
+        was saved, so ``cycle`` can tell when the decision moved again)."""
         cursor = None
         for source in self.event_sources:
             if hasattr(source, "cursor"):
@@ -312,10 +331,13 @@ class Agent:
                 self.state.put("kmsg_cursor", cursor)
             self.state.put("classifier", self.classifier.export_state())
             self.state.put("boot_id", self.boot_id)
-            self.state.flush()
+            if self.state.flush():
+                self.state_saves += 1
+                self._saved_findings = findings  # else the next decision tries again
         except Exception:
             self.loop_errors["persist"] += 1
             log.exception("state save failed; the node object remains the record")
+        self._saved_at = now  # a failing save is retried after the interval, not every cycle
 
     def _set_verdict(self, verdict: Verdict) -> None:
         previous = self.verdict

@@ -85,6 +85,9 @@ class Settings:
         "help": "shared token that POST /v1/training must present as 'Authorization: Bearer TOKEN' "
                 "(empty = no authentication); set HEALTHAGENT_TRAINING_TOKEN from a Secret",
         "fix": "use printable ASCII without spaces, e.g. the output of 'openssl rand -hex 32'"})
+    state_save_interval_seconds: float = _setting(
+        60.0, "longest time between state-file saves when only counter histories or the kernel-log "
+              "cursor moved (a new XID, finding or operator clear is saved at once)")
 
     def listen_address(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
@@ -171,7 +174,8 @@ def _validate(s: Settings) -> None:
     if not re.fullmatch(r"[\x21-\x7e]*", s.training_token):
         raise bad("training_token", "contains spaces or characters an HTTP header cannot carry")
     for key in ("nvml_interval_seconds", "efa_interval_seconds", "kmsg_poll_seconds",
-                "dcgm_interval_seconds", "dcgm_timeout_seconds", "source_timeout_seconds"):
+                "dcgm_interval_seconds", "dcgm_timeout_seconds", "source_timeout_seconds",
+                "state_save_interval_seconds"):
         if getattr(s, key) <= 0:
             raise ConfigError(f"{key}: must be greater than 0 seconds")
     if s.replace_noexecute_grace_seconds < 0:

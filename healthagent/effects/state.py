@@ -14,7 +14,6 @@ and tainting with what it has in memory; the failure is counted (``errors``) and
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -33,17 +32,20 @@ DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 class StateStore:
     """A JSON object on disk, shared by the loop thread and the effects thread.
 
-    ``put`` keeps a deep copy (so a caller mutating its dict later cannot change what is saved),
-    ``get`` returns a deep copy, ``flush`` writes the whole object with temp file + fsync + rename +
-    directory fsync, and skips the disk when nothing changed since the last write (a steady state
-    costs no I/O). ``errors`` counts problems by kind: ``corrupt``, ``unreadable``, ``unwritable``,
+    ``put`` serialises the value at once and keeps the text (so a caller mutating its dict later
+    cannot change what is saved, and a value JSON cannot hold is refused at ``put``), ``get``
+    parses that text (a fresh copy), ``flush`` joins the kept texts into the file's one object
+    and writes it with temp file + fsync + rename + directory fsync, and skips the disk when
+    nothing changed since the last write (a steady state costs no I/O). Each value is serialised
+    once per ``put``: no defensive copy by a JSON round trip, no second serialisation at ``flush``.
+    ``errors`` counts problems by kind: ``corrupt``, ``unreadable``, ``unwritable``,
     ``too_large``, ``not_json``.
     """
 
     def __init__(self, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
-        self._data: dict[str, Any] = {}
+        self._data: dict[str, str] = {}  # key -> its value as JSON text (_encode)
         self._lock = threading.Lock()  # guards _data
         self._flush_lock = threading.Lock()  # orders snapshot + rename between threads
         self._last_written: bytes | None = None
@@ -68,10 +70,11 @@ class StateStore:
             data, raw = {}, None
         else:
             data = self._parse(raw)
+        encoded = {str(key): _encode(value) for key, value in data.items()}
         with self._lock:
-            self._data = data
+            self._data = encoded
             self._last_written = raw if data else None
-            return copy.deepcopy(self._data)
+        return data
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
         try:
@@ -92,9 +95,8 @@ class StateStore:
 
     def get(self, key: str, default: Any = None) -> Any:
         with self._lock:
-            if key not in self._data:
-                return default
-            return copy.deepcopy(self._data[key])
+            text = self._data.get(key)
+        return default if text is None else json.loads(text)
 
     def put(self, key: str, value: Any) -> None:
         """Keep ``value`` (anything JSON can hold) under ``key``; written by the next ``flush``.
@@ -103,7 +105,7 @@ class StateStore:
         must not make the whole file unwritable.
         """
         try:
-            stored = json.loads(json.dumps(value))
+            stored = _encode(value)
         except (TypeError, ValueError) as exc:
             self._tally.count("not_json", f"key={key} value is not JSON ({exc}); kept the old value")
             return
@@ -112,13 +114,17 @@ class StateStore:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return copy.deepcopy(self._data)
+            data = dict(self._data)
+        return {key: json.loads(text) for key, text in data.items()}
 
     def flush(self) -> bool:
         """Write atomically; True when the file on disk now holds the current state."""
         with self._flush_lock:
             with self._lock:
-                payload = json.dumps(self._data, sort_keys=True, separators=(",", ":")).encode("utf-8")
+                # The same bytes as json.dumps(<the whole object>, sort_keys=True, separators=
+                # (",", ":")): each value was serialised that way at put.
+                payload = ("{" + ",".join(f"{json.dumps(key)}:{self._data[key]}" for key in sorted(self._data))
+                           + "}").encode("utf-8")
             if payload == self._last_written:
                 return True
             if len(payload) > self.max_bytes:
@@ -151,6 +157,11 @@ class StateStore:
                 pass
             raise
         _fsync_dir(directory)
+
+
+def _encode(value: Any) -> str:
+    """``value`` as compact JSON with sorted keys; raises TypeError/ValueError if JSON cannot hold it."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -23,6 +23,18 @@ reading: a vanished device is simply not reported (its absence is the signal pol
 an unreadable or garbage counter file is counted (``unreadable``/``parse``) and skipped, and the
 rest of that device is still reported. This runs every 10 s over ~32 devices x ~40 files, so it
 uses ``os.scandir`` and one small ``os.read`` per file.
+
+What cannot change while a device exists is kept between cycles (``_Known``): whether it is an EFA
+(vendor, device id, driver), its canonical PCI id, its resolved directory, and the listing of its
+ports and counter directories. A cycle then reads only the counter values and the port state. The
+cache is keyed by the device's identity - the class link's target, the device directory's
+(st_dev, st_ino, st_ctime_ns) and its ``device`` link's target - checked each cycle with three
+cheap calls; sysfs (kernfs) hands out inode numbers cyclically with a generation in the upper
+bits, so a device that is unregistered and registered again (driver reload, hot plug) has a new
+identity and is resolved from scratch. A listing is trusted only after two reads in a row listed
+the same (the kernel adds a device's class link before its attribute files, so one read can catch
+a device half-registered), and any file a trusted listing names that has gone drops the cache and
+reads the device afresh in the same cycle, with the uncached semantics.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
+from typing import Callable
 
 from healthagent.model import EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
 from healthagent.sources.base import ErrorTally, SourceResult, host_path
@@ -57,11 +70,64 @@ class _Vanished(Exception):
     """The device directory disappeared while it was being read."""
 
 
+class _Stale(Exception):
+    """A file a cached listing names has gone: read the device again with fresh listings."""
+
+
 @dataclass(frozen=True)
 class _EfaDevice:
     name: str
     path: str  # the device's directory, resolved inside the host root
     pci_bus_id: str
+
+
+# A counter directory's entries as (file name, path), sorted and capped; () when the directory
+# does not exist (this driver keeps no counters there).
+Listing = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class _Port:
+    number: int
+    path: str
+    counters: Listing | None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a device's directories list: the device counters, the ports and theirs."""
+
+    counters: Listing | None
+    ports: tuple[_Port, ...]
+
+
+@dataclass
+class _Known:
+    """What the source knows about one class entry while its identity stays the same.
+
+    ``device`` is None for a device that is not an EFA (another vendor's, or bound to another
+    driver): skipped without reading it again. ``layout`` is the trusted listing (seen twice in a
+    row), ``seen`` the last one read.
+    """
+
+    identity: tuple
+    device: _EfaDevice | None
+    layout: _Layout | None = None
+    seen: _Layout | None = None
+
+
+class _Deferred:
+    """Errors of a read that may be thrown away (a cached read that found its listing stale)."""
+
+    def __init__(self) -> None:
+        self.errors: list[tuple[str, str]] = []
+
+    def count(self, kind: str, message: str) -> None:
+        self.errors.append((kind, message))
+
+    def commit(self, tally: ErrorTally) -> None:
+        for kind, message in self.errors:
+            tally.count(kind, message)
 
 
 def resolve_in_root(root: str, path: str) -> str:
@@ -116,13 +182,18 @@ def parse_counter(raw: bytes) -> int | None:
 
 
 class EfaSource:
-    """Reads every EFA device under ``<host_root>/sys/class/infiniband`` once per ``collect``."""
+    """Reads every EFA device under ``<host_root>/sys/class/infiniband`` once per ``collect``.
+
+    Not thread-safe: one ``collect`` at a time (the loop's ``DeadlineSource`` never starts a
+    second while one runs), which is what lets it keep its per-device cache without a lock.
+    """
 
     name = "efa"
 
     def __init__(self, host_root: str) -> None:
         self.host_root = os.path.abspath(host_root)
         self.errors = ErrorTally(self.name)
+        self._known: dict[str, _Known] = {}  # class entry name -> what stays true while it exists
 
     # -- the cycle -------------------------------------------------------------------------------
 
@@ -131,19 +202,26 @@ class EfaSource:
         try:
             names = sorted((e.name for e in os.scandir(class_dir)), key=natural_key)
         except FileNotFoundError:
+            self._known = {}
             return self._result(True, f"no {CLASS_DIR} (no RDMA devices on this host)", ())
         except OSError as exc:
             self.errors.count("unreadable", f"path={class_dir} error={exc.strerror}")
             return self._result(False, f"cannot read {CLASS_DIR}: {exc.strerror}", ())
         samples: list[EfaSample] = []
+        known: dict[str, _Known] = {}  # only the entries listed now: the cache cannot outgrow sysfs
         for name in names:
-            device = self._identify(name)
-            if device is None:
+            entry = self._still_known(class_dir, name) or self._identify(name)
+            if entry is None:
+                continue
+            known[name] = entry
+            if entry.device is None:
                 continue
             try:
-                samples.extend(self._read_device(device, now))
+                samples.extend(self._read(entry, now))
             except _Vanished:
+                del known[name]
                 log.info("source=efa device=%s vanished while being read; not reported this cycle", name)
+        self._known = known
         devices = len({s.device for s in samples})
         if devices == 0:
             return self._result(True, "no EFA devices", ())
@@ -156,14 +234,50 @@ class EfaSource:
         health = SourceHealth(source=self.name, up=up, detail=detail, errors=self.errors.snapshot())
         return SourceResult(health=health, efa=samples)
 
+    def _read(self, entry: _Known, now: float) -> list[EfaSample]:
+        """The device's samples: from its trusted listing when there is one, else listing afresh
+        (and trusting the listing once two reads in a row agree)."""
+        device = entry.device
+        assert device is not None
+        if entry.layout is not None:
+            deferred = _Deferred()
+            try:
+                samples, _ = self._read_device(device, now, entry.layout, deferred.count)
+            except _Stale:
+                log.info("source=efa device=%s a listed file has gone; listing the device again", device.name)
+                entry.layout = entry.seen = None
+            else:
+                deferred.commit(self.errors)
+                return samples
+        samples, layout = self._read_device(device, now, None, self.errors.count)
+        if layout is not None and layout == entry.seen:
+            entry.layout = layout
+        entry.seen = layout
+        return samples
+
     # -- which devices are EFA -------------------------------------------------------------------
 
-    def _identify(self, name: str) -> _EfaDevice | None:
-        """The device if it is an EFA bound to the efa driver; None for anything else or if gone."""
+    def _still_known(self, class_dir: str, name: str) -> _Known | None:
+        """The cached entry if the class entry still names the same device directory, else None."""
+        entry = self._known.get(name)
+        if entry is None:
+            return None
+        try:
+            if _identity(os.path.join(class_dir, name), entry.identity[1]) == entry.identity:
+                return entry
+        except OSError:
+            pass  # gone or changed: resolved from scratch (which counts what deserves counting)
+        return None
+
+    def _identify(self, name: str) -> _Known | None:
+        """What the class entry is: an EFA bound to the efa driver (``device`` set), another device
+        (``device`` None), or None when that cannot be told now (gone, unreadable, unbound): asked
+        again next cycle."""
         rel = f"{CLASS_DIR}/{name}"
         try:
             path = resolve_in_root(self.host_root, rel)
             pci_dir = resolve_in_root(self.host_root, self._rel(path) + "/device")
+            identity = _identity(host_path(self.host_root, rel), path)
         except FileNotFoundError:
             return None  # vanished, or not backed by a PCI function (rxe, siw): not an EFA
         except OSError as exc:
@@ -183,7 +297,7 @@ class EfaSource:
             self.errors.count("parse", f"device={name} vendor={vendor!r} not hex")
             return None
         if not is_efa_id:
-            return None
+            return _Known(identity, None)
         try:
             driver = os.path.basename(resolve_in_root(self.host_root, self._rel(pci_dir) + "/driver"))
         except FileNotFoundError:
@@ -192,84 +306,128 @@ class EfaSource:
             self.errors.count("unreadable", f"device={name} driver link error={exc.strerror}")
             return None
         if driver != EFA_DRIVER:
-            return None
-        return _EfaDevice(name=name, path=path,
-                          pci_bus_id=canonical_pci_bus_id(os.path.basename(pci_dir)) or "")
+            return _Known(identity, None)
+        return _Known(identity, _EfaDevice(name=name, path=path,
+                                           pci_bus_id=canonical_pci_bus_id(os.path.basename(pci_dir)) or ""))
 
     def _rel(self, path: str) -> str:
         return os.path.relpath(path, self.host_root)
 
     # -- counters ------------------------------------------------------------------------------------
 
-    def _read_device(self, device: _EfaDevice, now: float) -> list[EfaSample]:
-        device_counters = self._read_counters(device, os.path.join(device.path, "hw_counters"))
-        ports_dir = os.path.join(device.path, "ports")
-        try:
-            ports = sorted((int(e.name), e.path) for e in os.scandir(ports_dir) if e.name.isdigit())
-        except FileNotFoundError:
-            self._check_present(device)
-            return []  # a device without ports has no port to report
-        except OSError as exc:
-            self.errors.count("unreadable", f"device={device.name} path={ports_dir} error={exc.strerror}")
-            return []
+    def _read_device(self, device: _EfaDevice, now: float, layout: _Layout | None,
+                     count: Callable[[str, str], None]) -> tuple[list[EfaSample], _Layout | None]:
+        """One sample per port, and the layout read (None when a listing failed: not cacheable).
+
+        With ``layout`` the listings are not read again, and a file they name that has gone
+        raises ``_Stale``; without, each directory is listed, as the uncached source always did.
+        """
+        cached = layout is not None
+        device_counters, listing = self._read_counters(
+            device, os.path.join(device.path, "hw_counters"), layout.counters if cached else None, cached, count)
+        if cached:
+            ports = layout.ports
+        else:
+            ports_dir = os.path.join(device.path, "ports")
+            try:
+                numbered = sorted((int(e.name), e.path) for e in os.scandir(ports_dir) if e.name.isdigit())
+            except FileNotFoundError:
+                self._check_present(device)
+                return [], _Layout(listing, ())  # a device without ports has no port to report
+            except OSError as exc:
+                count("unreadable", f"device={device.name} path={ports_dir} error={exc.strerror}")
+                return [], None
+            ports = tuple(_Port(port, port_dir, None) for port, port_dir in numbered[:MAX_PORTS])
         samples = []
-        for port, port_dir in ports[:MAX_PORTS]:
-            port_counters = self._read_counters(device, os.path.join(port_dir, "hw_counters"))
+        listed: list[_Port] = []
+        for port in ports:
+            port_counters, port_listing = self._read_counters(
+                device, os.path.join(port.path, "hw_counters"), port.counters, cached, count)
+            if not cached:
+                listed.append(_Port(port.number, port.path, port_listing))
             # Old drivers list every counter in both places: one value per name, never a sum.
             counters = {**device_counters, **port_counters}
             samples.append(EfaSample(
-                device=device.name, port=port, counters=counters, pci_bus_id=device.pci_bus_id,
-                port_state=self._read_text(device, os.path.join(port_dir, "state")),
-                phys_state=self._read_text(device, os.path.join(port_dir, "phys_state")),
+                device=device.name, port=port.number, counters=counters, pci_bus_id=device.pci_bus_id,
+                port_state=self._read_text(device, os.path.join(port.path, "state"), cached, count),
+                phys_state=self._read_text(device, os.path.join(port.path, "phys_state"), cached, count),
                 timestamp=now,
             ))
         self._check_present(device)
-        return samples
+        if cached or listing is None or any(p.counters is None for p in listed):
+            return samples, layout if cached else None
+        return samples, _Layout(listing, tuple(listed))
 
-    def _read_counters(self, device: _EfaDevice, directory: str) -> dict[str, int]:
-        try:
-            entries = [e.name for e in os.scandir(directory)]
-        except FileNotFoundError:
-            self._check_present(device)
-            return {}  # this driver keeps no counters here
-        except OSError as exc:
-            self.errors.count("unreadable", f"device={device.name} path={directory} error={exc.strerror}")
-            return {}
+    def _read_counters(self, device: _EfaDevice, directory: str, listing: Listing | None, cached: bool,
+                       count: Callable[[str, str], None]) -> tuple[dict[str, int], Listing | None]:
+        """The counters in ``directory`` and its listing (None when it could not be listed)."""
+        if not cached:
+            try:
+                entries = sorted(e.name for e in os.scandir(directory))[:MAX_COUNTER_FILES]
+            except FileNotFoundError:
+                self._check_present(device)
+                return {}, ()  # this driver keeps no counters here
+            except OSError as exc:
+                count("unreadable", f"device={device.name} path={directory} error={exc.strerror}")
+                return {}, None
+            listing = tuple((name, os.path.join(directory, name)) for name in entries)
         counters: dict[str, int] = {}
-        for name in sorted(entries)[:MAX_COUNTER_FILES]:
+        for name, path in listing:
             if name in NOT_A_COUNTER:
                 continue
-            path = os.path.join(directory, name)
             if not _COUNTER_NAME.match(name):
-                self.errors.count("parse", f"device={device.name} file={path!r} is not a counter name")
+                count("parse", f"device={device.name} file={path!r} is not a counter name")
                 continue
             try:
                 raw = _read_small(path)
             except FileNotFoundError:
+                if cached:
+                    raise _Stale(path) from None
                 self._check_present(device)
-                self.errors.count("unreadable", f"device={device.name} file={path} vanished")
+                count("unreadable", f"device={device.name} file={path} vanished")
                 continue
             except OSError as exc:
-                self.errors.count("unreadable", f"device={device.name} file={path} error={exc.strerror}")
+                count("unreadable", f"device={device.name} file={path} error={exc.strerror}")
                 continue
             value = parse_counter(raw)
             if value is None:
-                self.errors.count("parse", f"device={device.name} file={path} value={raw[:32]!r}")
+                count("parse", f"device={device.name} file={path} value={raw[:32]!r}")
                 continue
             counters[name] = value
-        return counters
+        return counters, listing
 
-    def _read_text(self, device: _EfaDevice, path: str) -> str:
+    def _read_text(self, device: _EfaDevice, path: str, cached: bool, count: Callable[[str, str], None]) -> str:
         try:
             return _read_small(path).decode("ascii", "replace").strip()
         except FileNotFoundError:
+            if cached:
+                raise _Stale(path) from None
             self._check_present(device)
             return ""
         except OSError as exc:
-            self.errors.count("unreadable", f"device={device.name} file={path} error={exc.strerror}")
+            count("unreadable", f"device={device.name} file={path} error={exc.strerror}")
             return ""
 
     def _check_present(self, device: _EfaDevice) -> None:
         """After an ENOENT: if the whole device is gone, stop reading it (it is not an error)."""
         if not os.path.isdir(device.path):
             raise _Vanished(device.name)
+
+
+def _identity(class_entry: str, device_dir: str) -> tuple:
+    """What tells one registered device from the next at the same name: the class link's target,
+    the device directory's (device, inode, ctime) and its ``device`` link's target. Raises OSError
+    when any of them is gone."""
+    st = os.lstat(device_dir)
+    return (_link_target(class_entry), device_dir, st.st_dev, st.st_ino, st.st_ctime_ns,
+            _link_target(os.path.join(device_dir, "device")))
+
+
+def _link_target(path: str) -> str:
+    """A symlink's target text; "" for an entry that is not a link (EINVAL)."""
+    try:
+        return os.readlink(path)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return ""
+        raise
