@@ -47,6 +47,9 @@ JOB = 'job=~"$job"'
 NODE_FILTERS = (CLUSTER, NODE)
 TRAINING_FILTERS = (CLUSTER, NODE, JOB)
 
+# The range every rate()/increase() panel uses: Grafana sizes it from the scrape interval.
+RATE = "[$__rate_interval]"
+
 GREEN_RED = [{"color": "green", "value": None}, {"color": "red", "value": 1}]
 
 

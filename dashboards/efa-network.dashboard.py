@@ -6,6 +6,7 @@ ACTIVE by the driver: the "Port state" panel really shows whether the device is 
 """
 
 from dashboards.common import (
+    RATE,
     GREEN_RED,
     cluster_variable,
     dashboard as build_dashboard,
@@ -18,7 +19,6 @@ from dashboards.common import (
     up_down_mappings,
 )
 
-RATE = "[$__rate_interval]"
 
 
 def per_device_rate(counter: str, legend: str = "{{node}} {{efa_device}}") -> object:

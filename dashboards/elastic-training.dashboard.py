@@ -8,6 +8,7 @@ time over wall time (Google's ml-goodput-measurement definition; Meta's ETTR), p
 """
 
 from dashboards.common import (
+    RATE,
     TRAINING_FILTERS,
     cluster_variable,
     dashboard as build_dashboard,
@@ -20,7 +21,6 @@ from dashboards.common import (
     timeseries,
 )
 
-RATE = "[$__rate_interval]"
 
 
 def tsel(metric: str, *matchers: str) -> str:

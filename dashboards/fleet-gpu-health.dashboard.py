@@ -5,6 +5,7 @@ by code, ECC rates, row remapping, lost GPUs, and the nodes that offend most.
 """
 
 from dashboards.common import (
+    RATE,
     GREEN_RED,
     cluster_variable,
     dashboard as build_dashboard,
@@ -46,18 +47,18 @@ dashboard = build_dashboard(
                        [target(f"count by (action) ({sel('healthagent_node_action')} == 1)", "{{action}}")],
                        stacked=True, step=True),
             timeseries("XIDs by code", "XID errors logged per interval, by XID number.",
-                       [target(f"sum by (xid) (increase({sel('healthagent_xid_errors_total')}[$__rate_interval]))",
+                       [target(f"sum by (xid) (increase({sel('healthagent_xid_errors_total')}{RATE}))",
                                "XID {{xid}}")], bars=True),
         ]),
         (8, [
             timeseries("Uncorrectable (DBE) ECC errors / s", "Double-bit ECC errors by node (volatile count).",
                        [target("sum by (node) (rate("
                                + sel("healthagent_gpu_ecc_errors_total", 'type="uncorrected"', 'scope="volatile"')
-                               + "[$__rate_interval]))", "{{node}}")], unit="ops"),
+                               + f"{RATE}))", "{{node}}")], unit="ops"),
             timeseries("Correctable (SBE) ECC errors / s", "Single-bit ECC errors by node (volatile count).",
                        [target("sum by (node) (rate("
                                + sel("healthagent_gpu_ecc_errors_total", 'type="corrected"', 'scope="volatile"')
-                               + "[$__rate_interval]))", "{{node}}")], unit="ops"),
+                               + f"{RATE}))", "{{node}}")], unit="ops"),
         ]),
         (8, [
             timeseries("Row remapping pending / failed", "GPUs with a row remap waiting for a reset, and "
@@ -75,7 +76,7 @@ dashboard = build_dashboard(
                        "how often the budget said no.",
                        [target(f"sum({sel('healthagent_node_taint_applied')})", "tainted"),
                         target(f"sum({sel('healthagent_budget_holding_taint')})", "held back by budget"),
-                        target(f"sum(increase({sel('healthagent_budget_blocked_total')}[$__rate_interval]))",
+                        target(f"sum(increase({sel('healthagent_budget_blocked_total')}{RATE}))",
                                "budget refusals")], step=True),
         ]),
         (10, [

@@ -6,6 +6,7 @@ power, NVLink and PCIe, and finally the agent's own sources and Kubernetes write
 """
 
 from dashboards.common import (
+    RATE,
     GREEN_RED,
     cluster_variable,
     dashboard as build_dashboard,
@@ -19,7 +20,6 @@ from dashboards.common import (
     up_down_mappings,
 )
 
-RATE = "[$__rate_interval]"
 
 dashboard = build_dashboard(
     title="healthagent / Node drill-down",
