@@ -307,6 +307,17 @@ class XidCount:
     kind: str = "xid"
 
 
+# Kubernetes error kinds (the effects' and the node watch's tallies) that describe the API
+# server's condition, not a fault of the agent or its setup: unreachable or overloaded, the node
+# gone, another writer winning every retry, a watch window that moved on. They are exported as
+# healthagent_kube_api_errors_total (and show in healthagent_kube_reachable); every other kind (a
+# 403 from RBAC or the admission policy, a 422, a bug) is an internal error someone must fix.
+API_CONDITION_KINDS: tuple[str, ...] = (
+    "unavailable", "node_not_found", "conflicts_exhausted", "budget_count_failed",
+    "watch_unavailable", "watch_expired", "watch_node_missing", "watch_rejected_404",
+)
+
+
 @dataclass(frozen=True)
 class KubeStatus:
     """What the effects layer did and could do; exported as action metrics."""
@@ -326,6 +337,10 @@ class KubeStatus:
     # The watch on the agent's own node is live (its copy of the node is as fresh as a read).
     # False in dry-run and while the watch is down (the effects then read the node on a timer).
     watching: bool = False
+    # Cumulative API conditions by kind (unreachable, node gone, contention, watch window moved
+    # on): the API server's state, not the agent's faults. Exported as
+    # healthagent_kube_api_errors_total.
+    api_errors: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,10 @@ def test_failures_the_agent_survives_are_exported(tmp_path):
         # The fixed kinds exist at 0 from the first snapshot (increase() needs the series).
         assert sample_value(scraped, "healthagent_internal_errors_total", component="loop", kind="cycle") == 0
         assert sample_value(scraped, "healthagent_internal_errors_total", component="kube",
-                            kind="conflicts_exhausted") == 0
+                            kind="events_dropped") == 0
+        # the API server's own condition is not an internal error: its own family, at 0 too
+        api = families(running)["healthagent_kube_api_errors_total"][2]
+        assert sample_value(api, "healthagent_kube_api_errors_total", kind="unavailable") == 0
         assert sample_value(scraped, "healthagent_internal_errors_total", component="policy",
                             kind="restore") == 1
     finally:

@@ -8,6 +8,18 @@ refused, timeout, 5xx, 429, a reply that is not JSON: keep the desired state, re
 ``Expired`` (410 Gone: a watch's resourceVersion left the server's window; list again) and
 ``ApiRejected`` (any other 4xx: a bug or missing RBAC; counted and logged).
 
+Writes to the node carry preconditions on exactly what they depend on, not on the whole object:
+``patch_node`` sends a JSON patch (RFC 6902) whose ``test`` operations pin the node's uid and the
+values it replaces (the taint list as read, an owned label before it is removed). A foreign
+writer that changes another label, an annotation or the kubelet's status 100 times a second never
+conflicts with the agent; one that changes the taints does, and the write is planned again. The
+``/status`` patch carries no precondition at all: conditions merge by ``type`` on the server and
+the agent writes only its own (as node-problem-detector does).
+
+The client's own retries are switched off (``without_client_retries``): a retry inside urllib3
+bypasses the agent's backoff and its once-a-minute log limit and prints a WARNING per attempt.
+The agent's retry policy (``effects/kube.py``) is the only one.
+
 The watch on the agent's own node (``effects/node_watch.py``) goes through the same typed call as
 the list, ``list_node(watch=True)``, and reads the open response line by line here
 (``WatchStream``), so its errors are classified the same way.
@@ -21,9 +33,12 @@ import logging
 import random
 from typing import Any, Callable, Iterator
 
+from healthagent.model import API_CONDITION_KINDS
+
 log = logging.getLogger(__name__)
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 DEFAULT_REQUEST_TIMEOUT = (3.05, 10.0)  # (connect, read) seconds for every API call
 # A watch is quiet until the node changes: its read timeout is the server-side timeoutSeconds
 # plus this slack, so only a stream the server should already have ended counts as hung.
@@ -35,7 +50,12 @@ class ApiError(Exception):
 
 
 class Conflict(ApiError):
-    pass
+    """409 on a stale resourceVersion, or a JSON patch whose ``test`` no longer holds; ``node``
+    is the node as re-read to find that out (None when the caller must read it)."""
+
+    def __init__(self, message: str, node: dict | None = None) -> None:
+        super().__init__(message)
+        self.node = node
 
 
 class AlreadyExists(ApiError):
@@ -55,6 +75,13 @@ class ApiRejected(ApiError):
 
 class Expired(ApiRejected):
     """410 Gone: the resourceVersion a watch resumes from is older than the server keeps."""
+
+
+def split_api_conditions(counts: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """(internal errors, API conditions) of one error tally, by kind."""
+    internal = {k: v for k, v in counts.items() if k not in API_CONDITION_KINDS}
+    api = {k: v for k, v in counts.items() if k in API_CONDITION_KINDS}
+    return internal, api
 
 
 def jittered_backoff(attempt: int, base: float, cap: float, rng: random.Random) -> float:
@@ -79,6 +106,7 @@ class ApiBackend:
                  request_timeout: tuple[float, float] = DEFAULT_REQUEST_TIMEOUT) -> None:
         from kubernetes import client
 
+        without_client_retries(api_client)
         self.node_name = node_name
         self.timeout = request_timeout
         self.core = client.CoreV1Api(api_client)
@@ -87,8 +115,23 @@ class ApiBackend:
     def read_node(self) -> dict:
         return self._call(self.core.read_node, self.node_name)
 
-    def patch_node(self, patch: dict) -> dict:
-        return self._call(self.core.patch_node, self.node_name, patch, _content_type=STRATEGIC_MERGE)
+    def patch_node(self, patch: dict, basis: dict) -> dict:
+        """Apply ``patch`` (labels/annotations/taints, as ``node_patch`` plans it against ``basis``,
+        the node as read) with preconditions on what it replaces. The API server answers a
+        failed ``test`` with the same 422 as any invalid patch, so a 422 re-reads the node: if a
+        tested value moved, it is a ``Conflict`` (carrying the fresh node); if not, the server
+        really refuses the patch (``ApiRejected``)."""
+        ops = json_patch_ops(basis, patch)
+        try:
+            return self._call(self.core.patch_node, self.node_name, ops, _content_type=JSON_PATCH)
+        except ApiRejected as exc:
+            if exc.status != 422:
+                raise
+            fresh = self.read_node()
+            moved = [op["path"] for op in ops if op["op"] == "test" and pointer_get(fresh, op["path"]) != op["value"]]
+            if moved:
+                raise Conflict(f"changed since read: {', '.join(moved)}", node=fresh) from None
+            raise
 
     def patch_node_status(self, patch: dict) -> dict:
         return self._call(self.core.patch_node_status, self.node_name, patch, _content_type=STRATEGIC_MERGE)
@@ -161,6 +204,78 @@ class ApiBackend:
             return json.loads(data)
         except (ValueError, TypeError):
             raise ApiUnavailable("the reply is not JSON") from None
+
+
+def without_client_retries(api_client: Any) -> None:
+    """Switch off urllib3's retries in ``api_client`` (the client's default is three per call,
+    each logged as a WARNING): a failed call fails at once and the agent's backoff decides."""
+    from kubernetes.client import rest
+
+    configuration = api_client.configuration
+    if configuration.retries is False:
+        return
+    configuration.retries = False
+    api_client.rest_client = rest.RESTClientObject(configuration)
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def pointer_get(doc: Any, path: str) -> Any:
+    """The value at a JSON pointer, None where any part is missing (what a ``test`` for null
+    passes on, as the API server's JSON patch does)."""
+    node = doc
+    for part in path.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def json_patch_ops(basis: dict, patch: dict) -> list[dict]:
+    """The JSON patch for a planned node change, with a ``test`` before everything it replaces.
+
+    ``patch`` has the strategic-merge shape ``node_patch`` plans (``metadata.labels``/
+    ``annotations`` with None for a removal, ``spec.taints`` as the whole new list). The uid is
+    always tested (a Node deleted and re-created between read and write is not the node planned
+    for); a label or annotation removed is tested for the value read (removing one that is
+    already gone would fail the patch); the taint list is replaced whole after a test that it is
+    the list read (the agent keeps every foreign taint in place, so one added meanwhile must not
+    be lost). Setting a label or annotation needs no test: the keys are the agent's own."""
+    meta = basis.get("metadata") or {}
+    ops: list[dict] = []
+    if meta.get("uid"):
+        ops.append({"op": "test", "path": "/metadata/uid", "value": meta["uid"]})
+    for field in ("labels", "annotations"):
+        changes = (patch.get("metadata") or {}).get(field) or {}
+        if not changes:
+            continue
+        current = meta.get(field)
+        if not isinstance(current, dict):
+            ops.append({"op": "test", "path": f"/metadata/{field}", "value": None})
+            ops.append({"op": "add", "path": f"/metadata/{field}",
+                        "value": {k: v for k, v in changes.items() if v is not None}})
+            continue
+        for key, value in sorted(changes.items()):
+            path = f"/metadata/{field}/{_escape(key)}"
+            if value is not None:
+                ops.append({"op": "add", "path": path, "value": value})
+            elif key in current:
+                ops.append({"op": "test", "path": path, "value": current[key]})
+                ops.append({"op": "remove", "path": path})
+    if "taints" in (patch.get("spec") or {}):
+        if not isinstance(basis.get("spec"), dict):
+            ops.append({"op": "test", "path": "/spec", "value": None})
+            ops.append({"op": "add", "path": "/spec", "value": {"taints": patch["spec"]["taints"]}})
+        else:
+            ops.append({"op": "test", "path": "/spec/taints", "value": basis["spec"].get("taints")})
+            ops.append({"op": "add", "path": "/spec/taints", "value": patch["spec"]["taints"]})
+    return ops
 
 
 def _items(reply: Any) -> tuple[list[dict], str]:
@@ -253,7 +368,7 @@ class DryRunBackend:
     def read_node(self) -> dict:
         return copy.deepcopy(self.node)
 
-    def patch_node(self, patch: dict) -> dict:
+    def patch_node(self, patch: dict, basis: dict | None = None) -> dict:
         meta = patch.get("metadata") or {}
         for field in ("labels", "annotations"):
             target = self.node["metadata"].setdefault(field, {})

@@ -25,9 +25,9 @@ One reconcile:
   3. if the plan against the cached node needs no write (and, with the watch down, the resync
      interval has not passed), stop: a steady state costs no request at all;
   4. plan against the cached node (watch live) or a fresh read (watch down), noticing as in 2;
-     write labels/annotations/taints (PATCH with ``metadata.resourceVersion``; 409 -> re-read,
-     re-plan, retry with bounded exponential backoff and jitter), then the conditions
-     (``/status``, same rules); after ADDING the taint, re-count the budget and roll back if this
+     write labels/annotations/taints (a JSON patch whose ``test`` operations pin what it replaces;
+     a conflict -> re-read, re-plan, retry with bounded exponential backoff and jitter), then the
+     conditions (``/status``, merged by type, no precondition); after ADDING the taint, re-count the budget and roll back if this
      node is the newest past the limit;
   5. deliver the queued Events, save the record to the state file.
 
@@ -60,6 +60,7 @@ from healthagent.effects.backend import (
     Conflict,
     DryRunBackend,
     jittered_backoff,
+    split_api_conditions,
 )
 from healthagent.effects.budget import (
     BudgetCount,
@@ -249,8 +250,15 @@ class NodeEffects:
 
     @property
     def errors(self) -> dict[str, int]:
-        """Cumulative API and watch errors by kind (``unavailable``, ``watch_expired``, ...)."""
-        return self._tally.snapshot()
+        """Cumulative internal errors by kind: what someone must fix (``rejected_403``,
+        ``internal``, ``watch_bad_event``, ...). The API server's own condition is ``api_errors``."""
+        return split_api_conditions(self._tally.snapshot())[0]
+
+    @property
+    def api_errors(self) -> dict[str, int]:
+        """Cumulative API conditions by kind (``unavailable``, ``node_not_found``,
+        ``budget_count_failed``, ``watch_expired``, ...): see ``backend.API_CONDITION_KINDS``."""
+        return split_api_conditions(self._tally.snapshot())[1]
 
     def _changed(self) -> None:
         callback = self.on_change
@@ -463,7 +471,7 @@ class NodeEffects:
             nodes = self.backend.list_nodes(self.settings.budget_node_selector)
         except ApiError as exc:
             # held back for this sync only: the count is tried again on the next reconcile
-            self._tally.count("budget_count_failed", f"cannot count GPU nodes ({exc}); taint held back")
+            self._count_budget_failure(exc, f"cannot count GPU nodes ({exc}); taint held back")
             self._budget_note = f"the GPU nodes could not be counted ({exc})"
             self._budget_memo = BudgetCount(total=0, tainted=(), limit=0)
             return False
@@ -528,14 +536,15 @@ class NodeEffects:
             plan = self._plan(current, now)
             return status_patch(current, plan.desired, now), plan
 
-        node, _, _, done = self._write_until_matching("node_status", node, now, make,
-                                                      self.backend.patch_node_status)
+        node, _, _, done = self._write_until_matching(
+            "node_status", node, now, make, lambda patch, _basis: self.backend.patch_node_status(patch))
         return node, done
 
     def _write_until_matching(self, kind: str, node: dict, now: float,
                               make: Callable[[dict], tuple[dict | None, NodePlan]],
-                              send: Callable[[dict], dict]) -> tuple[dict, NodePlan, dict, bool]:
-        """Read-modify-write: plan against ``node``, send, and on 409 back off, re-read, re-plan.
+                              send: Callable[[dict, dict], dict]) -> tuple[dict, NodePlan, dict, bool]:
+        """Read-modify-write: plan against ``node``, send (with the node planned against, whose
+        values the write's preconditions pin), and on a conflict back off, re-read, re-plan.
 
         Returns (node after, the plan, the node the plan was made against, done). API errors other
         than a conflict are counted and raised to the caller (the desired state stays pending).
@@ -545,11 +554,11 @@ class NodeEffects:
             if patch is None:
                 return node, plan, node, True
             try:
-                new = send(patch)
-            except Conflict:
+                new = send(patch, node)
+            except Conflict as exc:
                 self._count(kind, "conflict")
                 self._backoff(attempt)
-                node = self._read(now)
+                node = self._read(now) if exc.node is None else self._seen(exc.node, now)
                 continue
             except ApiError:
                 self._count(kind, "error")
@@ -627,7 +636,7 @@ class NodeEffects:
             nodes = self.backend.list_nodes(self.settings.budget_node_selector,
                                             not_older_than=resource_version(node))
         except ApiError as exc:
-            self._tally.count("budget_count_failed", f"cannot re-count GPU nodes after tainting ({exc})")
+            self._count_budget_failure(exc, f"cannot re-count GPU nodes after tainting ({exc})")
             return node
         taint_key = self.settings.taint_key
         count = count_budget(nodes, taint_key, self.node_name, self.settings.budget_max_fraction,
@@ -681,9 +690,21 @@ class NodeEffects:
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
+    def _count_budget_failure(self, exc: ApiError, message: str) -> None:
+        """A budget count that failed: the API's condition when it did not answer, the setup's
+        fault (``rejected_403``: no ``list nodes``) when it refused."""
+        if isinstance(exc, ApiRejected):
+            self._tally.count(f"rejected_{exc.status}", f"node={self.node_name} {message}")
+        else:
+            self._tally.count("budget_count_failed", message)
+
     def _failed(self, exc: ApiError) -> None:
         self._dirty = True
-        if isinstance(exc, ApiRejected):
+        if isinstance(exc, ApiRejected) and exc.status == 404:
+            self._reachable = True
+            self._tally.count("node_not_found", f"node={self.node_name} is not in the cluster ({exc}); "
+                                                "desired state kept until it is")
+        elif isinstance(exc, ApiRejected):
             self._reachable = True
             self._tally.count(f"rejected_{exc.status}", f"node={self.node_name} {exc}")
         else:
@@ -720,7 +741,7 @@ class NodeEffects:
             mode=self.mode, reachable=self._reachable, taint_effect=effect,
             budget_blocked=self.record.budget_blocked, budget_blocked_total=self.record.budget_blocked_total,
             writes=dict(self._writes), pending_writes=self._pending + len(self.ledger.outbox),
-            clear_token=self.record.clear_token, watching=self.watching,
+            clear_token=self.record.clear_token, watching=self.watching, api_errors=self.api_errors,
         )
 
 

@@ -344,8 +344,8 @@ def node_patch(node: Mapping, desired: DesiredNode, taint_key: str, now: float) 
 
     ``spec.taints`` is an atomic list in the Node schema, so when the agent's taint changes the
     patch carries the whole list: every foreign taint as read, in place, plus the agent's one.
-    The patch carries ``metadata.resourceVersion``: if anyone wrote the node since it was read,
-    the API server answers 409 and the caller re-reads (read-modify-write).
+    The backend sends it with preconditions on what it replaces (``effects/backend.py``); a
+    write that finds the node changed there is planned again from a fresh read.
     """
     meta: dict = {}
     labels = labels_of(node)
@@ -362,8 +362,8 @@ def node_patch(node: Mapping, desired: DesiredNode, taint_key: str, now: float) 
         patch["spec"] = {"taints": taints}
     if not meta and not patch:
         return None
-    meta["resourceVersion"] = (node.get("metadata") or {}).get("resourceVersion", "")
-    patch["metadata"] = meta
+    if meta:
+        patch["metadata"] = meta
     return patch
 
 
@@ -396,7 +396,9 @@ def status_patch(node: Mapping, desired: DesiredNode, now: float) -> dict | None
     Conditions merge by ``type`` on the server, so other writers' conditions (the kubelet's
     Ready, node-problem-detector's) are never in the patch. ``lastTransitionTime`` moves only when
     the status flips; ``lastHeartbeatTime`` is the time the agent last wrote the condition (the
-    agent does not heartbeat: a steady state costs no writes).
+    agent does not heartbeat: a steady state costs no writes). No ``resourceVersion``: the
+    kubelet's heartbeats and foreign label writes would make every condition write conflict,
+    and a merge by type cannot lose another writer's condition.
     """
     existing = {c.get("type"): c for c in (node.get("status") or {}).get("conditions") or []}
     changed = []
@@ -413,5 +415,4 @@ def status_patch(node: Mapping, desired: DesiredNode, now: float) -> dict | None
                         "lastTransitionTime": transition})
     if not changed:
         return None
-    return {"metadata": {"resourceVersion": (node.get("metadata") or {}).get("resourceVersion", "")},
-            "status": {"conditions": changed}}
+    return {"status": {"conditions": changed}}

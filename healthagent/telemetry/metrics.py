@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from healthagent.model import Action, AgentSnapshot, EfaSample, GpuSample
+from healthagent.model import API_CONDITION_KINDS, Action, AgentSnapshot, EfaSample, GpuSample
 from healthagent.sources.efa import NOT_A_COUNTER
 from healthagent.sources.nvml import KNOWN_THROTTLE_REASONS
 from healthagent.telemetry import spec as names
@@ -374,6 +374,10 @@ def _kube_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     for pair in sorted(set(KUBE_WRITE_PAIRS) | set(kube.writes)):
         writes.add_metric(list(pair), float(kube.writes.get(pair, 0)))
     yield writes
+    api_errors = _family("kube_api_errors_total")
+    for kind in sorted(set(API_CONDITION_KINDS) | set(kube.api_errors)):
+        api_errors.add_metric([kind], float(kube.api_errors.get(kind, 0)))
+    yield api_errors
 
 
 # Failures the agent survives, by component, from the start at 0 (increase() needs the series to
@@ -382,8 +386,7 @@ def _kube_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
 INTERNAL_ERROR_PAIRS: tuple[tuple[str, str], ...] = (
     ("state", "unreadable"), ("state", "corrupt"), ("state", "unwritable"), ("state", "too_large"),
     ("state", "not_json"),
-    ("kube", "internal"), ("kube", "conflicts_exhausted"), ("kube", "budget_count_failed"),
-    ("kube", "events_dropped"),
+    ("kube", "internal"), ("kube", "events_dropped"),
     ("policy", "internal"), ("policy", "restore"),
     ("http", "refused"), ("http", "handler"),
     ("loop", "cycle"), ("loop", "persist"),

@@ -98,6 +98,9 @@ HEALTH: tuple[MetricSpec, ...] = (
     _spec("kube_reachable", "gauge", "", "1 when the last Kubernetes API call succeeded."),
     _spec("kube_pending_writes", "gauge", "",
           "Desired Kubernetes changes not yet applied (the API was unreachable)."),
+    _spec("kube_api_errors_total", "counter", "kind",
+          "Kubernetes API conditions the agent rode out, by kind (unavailable, node_not_found, "
+          "conflicts_exhausted, budget_count_failed, watch_*): the API server's state, not the agent's."),
     _spec("kube_watch_up", "gauge", "",
           "1 while the watch on the agent's own node is live (0 in dry-run and while it is down)."),
     _spec("source_up", "gauge", "source", "1 when the source's last collection worked."),

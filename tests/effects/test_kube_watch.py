@@ -145,11 +145,12 @@ def test_foreign_changes_update_the_cache_without_a_write_or_a_wake(watched, clu
     assert effects.node["metadata"]["labels"]["team"] == "llm"
     assert effects.reconcile(HEALTHY, T0 + 5, "boot-1").pending_writes == 0
     assert cluster.requests()[before:] == [] and wakes.count == woken
-    # the next write carries the foreign change's resourceVersion: no 409, nothing re-read
-    foreign = version(cluster.node(NODE))
+    # the next write's preconditions pin the node as the watch delivered it: no conflict,
+    # nothing re-read
     status = effects.reconcile(XID95, T0 + 10, "boot-1")
     patch = [r for r in cluster.writes(NODE_PATH) if r.path == NODE_PATH][-1]
-    assert patch.body["metadata"]["resourceVersion"] == foreign
+    tests = {op["path"]: op["value"] for op in patch.body if op["op"] == "test"}
+    assert tests == {"/metadata/uid": cluster.node(NODE)["metadata"]["uid"], "/spec/taints": None}
     assert not any(result == "conflict" for _, result in status.writes)
     assert node_reads(cluster) == [] and cluster.node(NODE)["metadata"]["labels"]["team"] == "llm"
 
@@ -165,7 +166,7 @@ def test_a_dropped_watch_resumes_from_the_last_resource_version(watched, cluster
     assert len(lists_by_name(cluster)) == 1  # resumed, not listed again
     label(cluster, "step", "2")  # the resumed watch carries changes
     wait_for(lambda: effects.node["metadata"]["labels"].get("step") == "2", what="the change after the resume")
-    assert effects.errors.get("watch_unavailable") == 1 and node_reads(cluster) == []
+    assert effects.api_errors.get("watch_unavailable") == 1 and node_reads(cluster) == []
 
 
 @pytest.mark.parametrize("gone_as", ["error-event", "http-status"])
@@ -187,7 +188,7 @@ def test_410_gone_lists_again_and_watches_from_the_new_list(watched, cluster, go
     assert resumed.status == (410 if gone_as == "http-status" else 200)  # else an ERROR event in the stream
     assert listed in lists_by_name(cluster)
     assert rewatched.query["resourceVersion"] == str(cluster.resource_version)
-    assert effects.errors.get("watch_expired") == 1
+    assert effects.api_errors.get("watch_expired") == 1
     assert wakes.wait()
     status = effects.reconcile(XID95, T0 + 1, "boot-1")
     assert status.clear_token == "while-down" and our_taints(cluster.node(NODE)) == []
@@ -217,7 +218,7 @@ def test_bookmarks_let_a_quiet_node_resume_after_the_history_is_gone(watched, cl
     wait_for(lambda: len(cluster.watches()) == 2, what="the resumed watch")
     assert cluster.watches()[0].query["allowWatchBookmarks"] == "true"
     assert cluster.watches()[1].query["resourceVersion"] == str(cluster.resource_version)
-    assert len(lists_by_name(cluster)) == 1 and "watch_expired" not in effects.errors
+    assert len(lists_by_name(cluster)) == 1 and "watch_expired" not in effects.api_errors
 
 
 def test_api_down_then_up_the_watch_resumes_and_the_queued_writes_apply(watched, cluster):

@@ -101,18 +101,18 @@ def test_conditions_carry_code_and_evidence_and_all_checks_passed():
     assert sticky["EfaHealthy"].status == "True"
 
 
-def test_node_patch_keeps_foreign_taints_in_place_and_carries_the_resource_version():
+def test_node_patch_keeps_foreign_taints_in_place_and_pins_no_resource_version():
     node = node_with([{"key": "a.io/x", "effect": "NoSchedule"}, ours("reboot_node", "NoSchedule"),
                       {"key": "b.io/y", "effect": "NoExecute"}], labels={"team": "ml"})
     desired = DesiredNode(taint=TaintSpec("replace_node", "NoSchedule"), labels={HEALTH_LABEL: "replace-required"})
     patch = node_patch(node, desired, TAINT_KEY, T0 + 5)
-    assert patch["metadata"] == {"resourceVersion": "7", "labels": {HEALTH_LABEL: "replace-required"}}
+    assert patch["metadata"] == {"labels": {HEALTH_LABEL: "replace-required"}}
     assert [(t["key"], t.get("value")) for t in patch["spec"]["taints"]] == [
         ("a.io/x", None), (TAINT_KEY, "replace_node"), ("b.io/y", None)]
     assert patch["spec"]["taints"][1]["timeAdded"] == rfc3339(T0 + 5)
     removal = node_patch(node, DesiredNode(taint=None), TAINT_KEY, T0)
     assert [t["key"] for t in removal["spec"]["taints"]] == ["a.io/x", "b.io/y"]
-    assert "labels" not in removal["metadata"]
+    assert "metadata" not in removal
 
 
 def test_node_patch_is_none_when_nothing_differs():
@@ -132,7 +132,7 @@ def test_status_patch_moves_transition_time_only_when_status_flips():
     assert (cond["lastTransitionTime"], cond["lastHeartbeatTime"]) == (rfc3339(T0), rfc3339(T0 + 50))
     healed = DesiredNode(taint=None, conditions=(ConditionSpec("GpuHealthy", "True", "AllChecksPassed", "ok"),))
     patch = status_patch(node, healed, T0 + 60)
-    assert patch["metadata"]["resourceVersion"] == "7"
+    assert "metadata" not in patch  # conditions merge by type: no resourceVersion to conflict on
     assert patch["status"]["conditions"] == [{
         "type": "GpuHealthy", "status": "True", "reason": "AllChecksPassed", "message": "ok",
         "lastHeartbeatTime": rfc3339(T0 + 60), "lastTransitionTime": rfc3339(T0 + 60)}]

@@ -283,8 +283,15 @@ def _get(doc: Any, parts: list[str]) -> Any:
 def _json_patch_op(doc: Any, op: dict) -> Any:
     kind, parts = op["op"], _pointer(op["path"])
     if kind == "test":
-        if _get(doc, parts) != op["value"]:
-            raise ApiError(422, "Invalid", f"json patch test failed at {op['path']}")
+        # as the API server's JSON patch: a missing member tests equal to null (its parent must
+        # exist), and a failed test is the same generic 422 as any invalid patch
+        try:
+            value = _get(doc, parts)
+        except (KeyError, IndexError):
+            _parent(doc, parts)
+            value = None
+        if value != op["value"]:
+            raise ApiError(422, "Invalid", "the server rejected our request due to an error in our request")
         return doc
     if kind in ("move", "copy"):
         value = copy.deepcopy(_get(doc, _pointer(op["from"])))

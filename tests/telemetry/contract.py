@@ -36,6 +36,7 @@ CONTRACT: list[tuple[str, str, tuple[str, ...]]] = [
     ("budget_holding_taint", "gauge", ()),
     ("budget_blocked_total", "counter", ()),
     ("kube_writes_total", "counter", ("kind", "result")),
+    ("kube_api_errors_total", "counter", ("kind",)),
     ("kube_reachable", "gauge", ()),
     ("kube_pending_writes", "gauge", ()),
     ("collect_duration_seconds", "histogram", ("source",)),
