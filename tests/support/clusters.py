@@ -1,0 +1,219 @@
+"""One test-facing view of a cluster over the fake API server and the real one.
+
+The effects scenarios (tests/effects/test_scenarios.py) run one test body against both:
+``FakeCluster`` wraps ``KubeFake`` (where the faults a real server cannot be made to show live),
+``RealCluster`` a real kube-apiserver + etcd (``tests/support/envtest.py``). Both offer what a
+scenario does to a cluster as another actor would (an operator, the kubelet, a controller) and
+what it reads back, as plain JSON dicts.
+
+The real server is one per test session and Nodes are cluster-wide, so a ``RealCluster`` names
+its nodes with a prefix of its own and labels them so the budget counts only them; it deletes
+them at the end. On the real server, admission adds ``node.kubernetes.io/not-ready:NoSchedule``
+to every Node created without a Ready condition (no kubelet runs); ``FakeCluster`` adds the same
+taint itself, so both start from the same node.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from typing import Any, Callable
+
+from tests.support.kubefake import KubeFake
+
+NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+GPU_LABEL = ("nvidia.com/gpu.present", "true")
+RUN_LABEL = "test.healthagent.io/run"
+READY = {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "no kubelet in tests",
+         "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+
+
+class Cluster:
+    """What a scenario needs of a cluster; ``kind`` is "fake" or "real"."""
+
+    kind = ""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def name(self, index: int = 0) -> str:
+        return f"{self.prefix}gpu-node-{index}"
+
+    @property
+    def budget_selector(self) -> str:
+        return f"{RUN_LABEL}={self.run_id}"
+
+    @property
+    def run_id(self) -> str:
+        return (self.prefix.rstrip("-") or "fake")[:63]
+
+    def seed(self, count: int) -> list[str]:
+        """``count`` GPU nodes, each with the not-ready taint and a foreign condition."""
+        names = [self.name(i) for i in range(count)]
+        for name in names:
+            self.create_node(name)
+        return names
+
+    def create_node(self, name: str) -> dict:
+        raise NotImplementedError
+
+    # the rest: api_client, node, update_node, delete_node, events, restart_apiserver,
+    # set by the subclasses
+
+
+class FakeCluster(Cluster):
+    kind = "fake"
+
+    def __init__(self, fake: KubeFake) -> None:
+        super().__init__("")
+        self.fake = fake
+
+    def api_client(self):
+        return self.fake.api_client()
+
+    def create_node(self, name: str) -> dict:
+        return self.fake.add_node(name, labels={GPU_LABEL[0]: GPU_LABEL[1], RUN_LABEL: self.run_id},
+                                  taints=[dict(NOT_READY)], conditions=[dict(READY)])
+
+    def node(self, name: str) -> dict:
+        return self.fake.node(name)
+
+    def update_node(self, name: str, mutate: Callable[[dict], None]) -> dict:
+        return self.fake.update_node(name, mutate)
+
+    def delete_node(self, name: str) -> None:
+        self.fake.delete_node(name)
+
+    def events(self) -> list[dict]:
+        return self.fake.events()
+
+    def restart_apiserver(self) -> None:
+        """Down, its watch history gone (a new watch cache), up again on the same port."""
+        self.fake.go_down()
+        self.fake.compact()
+        self.fake.come_up()
+
+    def close(self) -> None:
+        pass
+
+
+class RealCluster(Cluster):
+    kind = "real"
+
+    def __init__(self, plane: Any, prefix: str) -> None:
+        super().__init__(prefix)
+        self.plane = plane
+        self._admin = plane.api_client()
+        from kubernetes import client
+
+        self._core = client.CoreV1Api(self._admin)
+        self._events = client.EventsV1Api(self._admin)
+        self._created: set[str] = set()
+
+    def api_client(self):
+        return self.plane.api_client()
+
+    def create_node(self, name: str) -> dict:
+        body = {"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "labels": {GPU_LABEL[0]: GPU_LABEL[1], RUN_LABEL: self.run_id,
+                                                      "kubernetes.io/hostname": name}}}
+        self._core.create_node(body)
+        self._created.add(name)
+        self._core.patch_node_status(name, {"status": {"conditions": [dict(READY)]}},
+                                     _content_type="application/strategic-merge-patch+json")
+        return self.node(name)
+
+    def node(self, name: str) -> dict:
+        return self._raw(self._core.read_node, name)
+
+    def update_node(self, name: str, mutate: Callable[[dict], None]) -> dict:
+        """Read, change, PUT with the version read (and PUT ``/status`` when the status changed),
+        retrying on 409: another actor's read-modify-write."""
+        from kubernetes.client.exceptions import ApiException
+
+        for _ in range(50):
+            old = self.node(name)
+            new = copy.deepcopy(old)
+            mutate(new)
+            try:
+                result = old
+                if {k: v for k, v in new.items() if k != "status"} != {k: v for k, v in old.items() if k != "status"}:
+                    result = self._raw(self._core.replace_node, name, new)
+                if new.get("status") != old.get("status"):
+                    result["status"] = new.get("status")
+                    result = self._raw(self._core.replace_node_status, name, result)
+                return result
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+        raise AssertionError(f"could not update node {name}: conflicts every time")
+
+    def delete_node(self, name: str) -> None:
+        self._core.delete_node(name)
+
+    def events(self) -> list[dict]:
+        reply = self._raw(self._events.list_namespaced_event, "default")
+        return [e for e in reply["items"] if (e.get("regarding") or {}).get("name", "").startswith(self.prefix)]
+
+    def restart_apiserver(self) -> None:
+        from tests.support.envtest import wait_until_serving
+
+        self.plane.restart_apiserver()
+        wait_until_serving(self.plane)
+
+    def close(self) -> None:
+        for name in self._created:
+            try:
+                self._core.delete_node(name)
+            except Exception:  # noqa: BLE001 - already gone, or the server is going away
+                pass
+
+    @staticmethod
+    def _raw(fn: Callable, *args: Any) -> dict:
+        return json.loads(fn(*args, _preload_content=False).data)
+
+
+class LabelChurn:
+    """Another controller writing the node's labels ``rate`` times a second (strategic-merge
+    PATCH, each a new value), on its own thread and its own client, until ``stop()``. Bounded by
+    ``max_seconds`` so it stops by itself."""
+
+    def __init__(self, cluster: Cluster, name: str, rate: float = 100.0, max_seconds: float = 120.0) -> None:
+        from kubernetes import client
+
+        self._core = client.CoreV1Api(cluster.api_client())
+        self._name = name
+        self._interval = 1.0 / rate
+        self._max_seconds = max_seconds
+        self._stop = threading.Event()
+        self.writes = 0
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="label-churn", daemon=True)
+
+    def __enter__(self) -> "LabelChurn":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        next_at = start
+        while not self._stop.is_set() and time.monotonic() - start < self._max_seconds:
+            try:
+                self._core.patch_node(self._name, {"metadata": {"labels": {"churn.example.com/seq": str(self.writes)}}},
+                                      _content_type="application/strategic-merge-patch+json")
+                self.writes += 1
+            except Exception as exc:  # noqa: BLE001 - recorded; the test reads them
+                self.errors.append(repr(exc))
+            next_at += self._interval
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                self._stop.wait(delay)
