@@ -271,11 +271,18 @@ class HoldingKubeFake(KubeFake):
 
 
 def taint_write(taint_key: str) -> Callable[[str, str, Any], bool]:
-    """Matches the PATCH of the node object that carries the agent's taint."""
+    """Matches the PATCH of the node object that carries the agent's taint (a JSON patch whose
+    taint list, or a strategic-merge patch whose ``spec.taints``, holds the agent's key)."""
     def matches(method: str, path: str, body: Any) -> bool:
-        if method != "PATCH" or not re.fullmatch(r"/api/v1/nodes/[^/]+", path) or not isinstance(body, dict):
+        if method != "PATCH" or not re.fullmatch(r"/api/v1/nodes/[^/]+", path):
             return False
-        taints = (body.get("spec") or {}).get("taints") or []
+        if isinstance(body, list):
+            taints = [t for op in body if isinstance(op, dict) and op.get("op") == "add"
+                      and op.get("path") == "/spec/taints" for t in op.get("value") or []]
+        elif isinstance(body, dict):
+            taints = (body.get("spec") or {}).get("taints") or []
+        else:
+            return False
         return any(isinstance(t, dict) and t.get("key") == taint_key for t in taints)
 
     return matches

@@ -1,0 +1,115 @@
+"""Writing one plan to the node: the node patch until it lands or conflicts run out, then status.
+
+A node write carries preconditions on what it replaces (``effects/backend.py``); when one fails
+(a foreign taint changed meanwhile) the writer backs off with jitter, takes the fresh node, lets
+the caller plan again and retries, at most ``max_attempts`` times per reconcile. The ``/status``
+patch has no precondition and is sent once. Every write is counted by (kind, result) for
+``healthagent_kube_writes_total``; nothing is counted in dry-run.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from healthagent.effects.backend import ApiError, Conflict, jittered_backoff
+from healthagent.effects.plan import NodePlan
+from healthagent.sources.base import ErrorTally
+
+log = logging.getLogger(__name__)
+
+BACKOFF_BASE_SECONDS = 0.1
+BACKOFF_CAP_SECONDS = 3.2
+
+
+@dataclass(frozen=True)
+class NodeWrite:
+    """The outcome of ``write_node``: the node after it, the plan written, the node that plan was
+    made against, and whether the node now matches the plan."""
+
+    node: dict
+    plan: NodePlan
+    basis: dict
+    done: bool
+
+
+class NodeWriter:
+    def __init__(self, backend: Any, *, node_name: str, tally: ErrorTally, sleep: Callable[[float], None],
+                 rng: random.Random, max_attempts: int, dry_run: bool) -> None:
+        self._backend = backend
+        self._node_name = node_name
+        self._tally = tally
+        self._sleep = sleep
+        self._rng = rng
+        self.max_attempts = max(1, max_attempts)
+        self._dry_run = dry_run
+        self.writes: Counter = Counter()
+
+    def write_node(self, node: dict, plan_for: Callable[[dict], NodePlan],
+                   reread: Callable[[], dict]) -> NodeWrite:
+        """Plan against ``node`` and PATCH until it matches; on a conflict back off, take the
+        fresh node (the conflict's, else ``reread()``), plan again. API errors other than a
+        conflict are counted and raised (the desired state stays pending)."""
+        plan = plan_for(node)
+        for attempt in range(self.max_attempts):
+            if plan.node_patch is None:
+                return NodeWrite(node, plan, node, True)
+            try:
+                new = self._backend.patch_node(plan.node_patch, node)
+            except Conflict as exc:
+                self.count("node", "conflict")
+                self._sleep(jittered_backoff(attempt, BACKOFF_BASE_SECONDS, BACKOFF_CAP_SECONDS, self._rng))
+                node = reread() if exc.node is None else exc.node
+                plan = plan_for(node)
+                continue
+            except ApiError:
+                self.count("node", "error")
+                raise
+            self.count("node", "ok")
+            log.info("effects write=node node=%s %s", self._node_name, describe(plan.node_patch))
+            return NodeWrite(new, plan, node, True)
+        self._tally.count("conflicts_exhausted", f"node write gave up after {self.max_attempts} "
+                                                 "conflicts; retrying on the next reconcile")
+        return NodeWrite(node, plan, node, False)
+
+    def write_status(self, node: dict, plan: NodePlan) -> tuple[dict, bool]:
+        """PATCH the plan's conditions on ``/status``: merged by type, with no precondition, so
+        the same patch is simply sent again after a 409 (the API server's own contention)."""
+        if plan.status_patch is None:
+            return node, True
+        for attempt in range(self.max_attempts):
+            try:
+                new = self._backend.patch_node_status(plan.status_patch)
+            except Conflict:
+                self.count("node_status", "conflict")
+                self._sleep(jittered_backoff(attempt, BACKOFF_BASE_SECONDS, BACKOFF_CAP_SECONDS, self._rng))
+                continue
+            except ApiError:
+                self.count("node_status", "error")
+                raise
+            self.count("node_status", "ok")
+            log.info("effects write=node_status node=%s %s", self._node_name, describe(plan.status_patch))
+            return new, True
+        self._tally.count("conflicts_exhausted", f"node_status write gave up after {self.max_attempts} "
+                                                 "conflicts; retrying on the next reconcile")
+        return node, False
+
+    def count(self, kind: str, result: str) -> None:
+        if not self._dry_run:
+            self.writes[(kind, result)] += 1
+
+
+def describe(patch: dict) -> str:
+    """One short line for the log: which owned things the patch changes."""
+    meta = patch.get("metadata") or {}
+    parts = [f"{k}={'-' if v is None else v}" for k, v in sorted((meta.get("labels") or {}).items())]
+    parts += [f"{k}={'-' if v is None else v}" for k, v in sorted((meta.get("annotations") or {}).items())]
+    if "taints" in (patch.get("spec") or {}):
+        parts.append("taints=" + ",".join(f"{t.get('key')}={t.get('value')}:{t.get('effect')}"
+                                          for t in patch["spec"]["taints"]))
+    parts += [f"condition={c['type']}={c['status']}:{c['reason']}"
+              for c in (patch.get("status") or {}).get("conditions") or []]
+    return " ".join(parts)
