@@ -57,45 +57,46 @@ class NodeWriter:
         for attempt in range(self.max_attempts):
             if plan.node_patch is None:
                 return NodeWrite(node, plan, node, True)
-            try:
-                new = self._backend.patch_node(plan.node_patch, node)
-            except Conflict as exc:
-                self.count("node", "conflict")
-                self._sleep(jittered_backoff(attempt, BACKOFF_BASE_SECONDS, BACKOFF_CAP_SECONDS, self._rng))
-                node = reread() if exc.node is None else exc.node
-                plan = plan_for(node)
-                continue
-            except ApiError:
-                self.count("node", "error")
-                raise
-            self.count("node", "ok")
-            log.info("effects write=node node=%s %s", self._node_name, describe(plan.node_patch))
-            return NodeWrite(new, plan, node, True)
-        self._tally.count("conflicts_exhausted", f"node write gave up after {self.max_attempts} "
-                                                 "conflicts; retrying on the next reconcile")
+            patch, basis = plan.node_patch, node
+            reply = self._attempt("node", lambda: self._backend.patch_node(patch, basis), patch, attempt)
+            if not isinstance(reply, Conflict):
+                return NodeWrite(reply, plan, node, True)
+            node = reread() if reply.node is None else reply.node
+            plan = plan_for(node)
+        self._exhausted("node")
         return NodeWrite(node, plan, node, False)
 
     def write_status(self, node: dict, plan: NodePlan) -> tuple[dict, bool]:
         """PATCH the plan's conditions on ``/status``: merged by type, with no precondition, so
         the same patch is simply sent again after a 409 (the API server's own contention)."""
-        if plan.status_patch is None:
+        patch = plan.status_patch
+        if patch is None:
             return node, True
         for attempt in range(self.max_attempts):
-            try:
-                new = self._backend.patch_node_status(plan.status_patch)
-            except Conflict:
-                self.count("node_status", "conflict")
-                self._sleep(jittered_backoff(attempt, BACKOFF_BASE_SECONDS, BACKOFF_CAP_SECONDS, self._rng))
-                continue
-            except ApiError:
-                self.count("node_status", "error")
-                raise
-            self.count("node_status", "ok")
-            log.info("effects write=node_status node=%s %s", self._node_name, describe(plan.status_patch))
-            return new, True
-        self._tally.count("conflicts_exhausted", f"node_status write gave up after {self.max_attempts} "
-                                                 "conflicts; retrying on the next reconcile")
+            reply = self._attempt("node_status", lambda: self._backend.patch_node_status(patch), patch, attempt)
+            if not isinstance(reply, Conflict):
+                return reply, True
+        self._exhausted("node_status")
         return node, False
+
+    def _attempt(self, kind: str, send: Callable[[], dict], patch: dict, attempt: int) -> "dict | Conflict":
+        """One write: its reply, or the Conflict after the backoff; other API errors raise."""
+        try:
+            reply = send()
+        except Conflict as exc:
+            self.count(kind, "conflict")
+            self._sleep(jittered_backoff(attempt, BACKOFF_BASE_SECONDS, BACKOFF_CAP_SECONDS, self._rng))
+            return exc
+        except ApiError:
+            self.count(kind, "error")
+            raise
+        self.count(kind, "ok")
+        log.info("effects write=%s node=%s %s", kind, self._node_name, describe(patch))
+        return reply
+
+    def _exhausted(self, kind: str) -> None:
+        self._tally.count("conflicts_exhausted", f"{kind} write gave up after {self.max_attempts} "
+                                                 "conflicts; retrying on the next reconcile")
 
     def count(self, kind: str, result: str) -> None:
         if not self._dry_run:
