@@ -44,7 +44,9 @@ BASE_OBJECTS = [
     ("Service", "healthagent"),
     ("ServiceAccount", "healthagent"),
     ("ServiceMonitor", "healthagent"),
+    ("ValidatingAdmissionPolicy", "healthagent-own-node-events"),
     ("ValidatingAdmissionPolicy", "healthagent-own-node-only"),
+    ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-events"),
     ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-only"),
 ]
 
