@@ -24,27 +24,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from healthagent.sources.base import ErrorTally
-from healthagent.sources.kmsg import (
-    KmsgCursor,
-    KmsgSource,
-    XidLineParser,
-    _DeviceFollower,
-    describe_both_unreadable,
-    iter_events,
-)
-from healthagent.sources.klog import (
+from healthagent.sources.kernel_log.cursor import KmsgCursor
+from healthagent.sources.kernel_log.klogctl import (
     READ_BUFFER_FACTOR,
     SYSLOG_ACTION_READ_ALL,
     SYSLOG_ACTION_SIZE_BUFFER,
     KernelLog,
-    RingPosition,
-    line_usec,
 )
+from healthagent.sources.kernel_log.offline import iter_events
+from healthagent.sources.kernel_log.parser import XidLineParser
+from healthagent.sources.kernel_log.ring import RingPosition, line_usec
+from healthagent.sources.kernel_log.source import KmsgSource
+from healthagent.sources.kernel_log.wording import describe_both_unreadable
 from tests.sources.test_kmsg_follow import (
     BOOT_A,
     BOOT_B,
     BTIME,
     NOW,
+    DeviceFollower,
     make_host,
     record,
     run_forked,
@@ -382,8 +379,8 @@ def test_records_handed_over_from_dev_kmsg_are_not_repeated_through_klogctl(host
     ours, kernel_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
     tally = ErrorTally("kmsg")
-    device = _DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), XidLineParser(tally, boot_time=BTIME, now=NOW),
-                             tally, resume_after=None)
+    device = DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), XidLineParser(tally, boot_time=BTIME, now=NOW),
+                            tally, resume_after=None)
     texts = {seq: xid_text(13 if seq % 2 else 94) for seq in range(1, 6)}
     try:
         for seq in range(1, 4):  # records 1..3 reach the device reader (two share a stamp)
@@ -410,8 +407,8 @@ def test_records_handed_over_through_klogctl_are_not_repeated_by_the_device_read
     ours, kernel_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
     tally = ErrorTally("kmsg")
-    device = _DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), XidLineParser(tally, boot_time=BTIME, now=NOW),
-                             tally, resume_after=None, saved=RingPosition(usec=5_000, same=same))
+    device = DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), XidLineParser(tally, boot_time=BTIME, now=NOW),
+                            tally, resume_after=None, saved=RingPosition(usec=5_000, same=same))
     try:
         stamps = {1: 1_000, 2: 5_000, 3: 5_000, 4: 5_000, 5: 4_999, 6: 9_000}
         for seq, usec in stamps.items():

@@ -17,14 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from healthagent.model import canonical_pci_bus_id
+from healthagent.model import FALLEN_OFF_BUS_XID, canonical_pci_bus_id
 from healthagent.sources.base import ErrorTally
-from healthagent.sources.kmsg import (
-    FALLEN_OFF_BUS_XID,
-    KmsgCursor,
-    iter_events,
-    read_boot_time,
-)
+from healthagent.sources.kernel_log.boot import read_boot_time
+from healthagent.sources.kernel_log.cursor import KmsgCursor
+from healthagent.sources.kernel_log.offline import iter_events
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kmsg"
 BTIME = 1795150000  # the tmp host's boot, 2026-11-20T04:46:40Z

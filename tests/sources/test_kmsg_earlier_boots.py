@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from healthagent.demo.node import build_demo_root
-from healthagent.sources.kmsg import BOOT_TIME_SLACK_SECONDS, KmsgSource, read_boot_time
+from healthagent.sources.kernel_log.boot import BOOT_TIME_SLACK_SECONDS, read_boot_time
+from healthagent.sources.kernel_log.source import KmsgSource
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "kmsg" / "kern-earlier-boots.log"
 

@@ -22,15 +22,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from healthagent.sources import kmsg as kmsg_module
 from healthagent.sources.base import ErrorTally
-from healthagent.sources.kmsg import (
-    KmsgCursor,
-    KmsgSource,
-    XidLineParser,
-    _DeviceFollower,
-    describe_unreadable,
-)
+from healthagent.sources.kernel_log import file_reader
+from healthagent.sources.kernel_log.cursor import KmsgCursor
+from healthagent.sources.kernel_log.device_reader import KmsgDeviceReader
+from healthagent.sources.kernel_log.parser import XidLineParser
+from healthagent.sources.kernel_log.ring import RingPosition
+from healthagent.sources.kernel_log.source import KmsgSource
+from healthagent.sources.kernel_log.wording import describe_unreadable
 
 BTIME = 1795150000
 NOW = 1795176000.0
@@ -88,6 +87,25 @@ def restart(source: KmsgSource, host: Path, **kw) -> KmsgSource:
     saved = json.loads(json.dumps(source.cursor.to_dict()))
     source.close()
     return KmsgSource(str(host), cursor=KmsgCursor.from_dict(saved), **kw)
+
+
+class DeviceFollower:
+    """The /dev/kmsg reader feeding a parser, as ``KmsgSource`` drives the two: ``read`` appends
+    the events of up to ``budget`` records and says whether the budget ran out first."""
+
+    def __init__(self, path: str, fd: int, parser: XidLineParser, tally: ErrorTally, resume_after: int | None,
+                 saved: RingPosition = RingPosition()) -> None:
+        self.reader = KmsgDeviceReader(path, fd, tally, resume_after, saved)
+        self.parser = parser
+
+    def read(self, budget: int, events: list) -> bool:
+        return self.reader.read(budget, self.parser.now, lambda chunk: events.extend(self.parser.feed(chunk)))
+
+    def cursor(self, boot_id: str) -> KmsgCursor:
+        return self.reader.cursor(boot_id)
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 @pytest.fixture
@@ -331,7 +349,7 @@ def test_garbage_and_truncated_records_are_counted_and_real_faults_still_come_th
 
 
 def test_an_overlong_line_is_skipped_counted_and_reading_goes_on(host, monkeypatch):
-    monkeypatch.setattr(kmsg_module, "FILE_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(file_reader, "FILE_CHUNK_BYTES", 4096)
     log = host / "dev" / "kmsg"
     log.write_text(record(0, "x" * 20_000) + record(1, xid_text(94), priority=4))
     source = KmsgSource(str(host))
@@ -498,7 +516,7 @@ def test_device_reader_keeps_record_boundaries_skips_handed_over_records_and_cou
     ours.setblocking(False)
     tally = ErrorTally("kmsg")
     parser = XidLineParser(tally, boot_time=BTIME, now=NOW, boot_id=BOOT_A)
-    follower = _DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), parser, tally, resume_after=100)
+    follower = DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), parser, tally, resume_after=100)
     try:
         for seq, text in [(99, xid_text(13)), (100, xid_text(31)), (104, xid_text(94)), (105, "noise")]:
             kernel.send(record(seq, text, "SUBSYSTEM=pci", "DEVICE=+pci:0000:a8:00.0", priority=4).encode())
@@ -528,8 +546,8 @@ def test_device_reader_resuming_after_an_sxid_headline_does_not_count_its_detail
     ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
     tally = ErrorTally("kmsg")
-    follower = _DeviceFollower("/dev/kmsg", os.dup(ours.fileno()),
-                               XidLineParser(tally, boot_time=BTIME, now=NOW), tally, resume_after=7)
+    follower = DeviceFollower("/dev/kmsg", os.dup(ours.fileno()),
+                              XidLineParser(tally, boot_time=BTIME, now=NOW), tally, resume_after=7)
     sxid = "nvidia-nvswitch1: SXid (PCI:0000:05:00.0): 22013, "
     try:
         for seq, text in [(7, sxid + "Non-fatal, Link 02"), (8, sxid + "Severity 0 Engine instance 02"),

@@ -1,0 +1,155 @@
+"""The record formats kernel-log text arrives in, taken apart; no I/O.
+
+Why on its own: every input delivers one of the same few formats, and both the readers (which only
+need a ``/dev/kmsg`` record's sequence number and stamp to tell new records from old) and the
+parser (which needs the message and its time) take them apart the same way. The formats:
+
+- ``/dev/kmsg`` records ``PRI,SEQ,USEC,FLAGS[,caller=..];MESSAGE`` plus the `` KEY=value``
+  dictionary lines the kernel attaches to device messages (ignored). Non-printable bytes are
+  escaped as ``\\xNN`` by the kernel (a multi-line printk shows ``\\x0a``) and unescaped here;
+- ``dmesg`` (``[  1234.567890]``, ``-T`` ``[Mon Nov 20 10:11:12 2026]``, ``--time-format iso``,
+  ``-x`` ``kern  :err   :``, ``-r`` ``<4>``, caller ids ``[    T1234]``), ``journalctl -k`` in its
+  short, short-precise, short-iso(-precise), short-full, short-unix and short-monotonic outputs,
+  and syslog files (``Nov 20 10:11:12 host kernel: ...``, ISO-8601 RFC 5424 stamps, rsyslog's
+  ``#012`` for an embedded newline). ``syslog(2)``'s READ_ALL text is dmesg's ``-r`` form.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from healthagent.sources.base import ErrorTally
+
+# A syslog stamp up to this far ahead of ``now`` is clock skew, not last year's line.
+FUTURE_SKEW_SECONDS = 86_400.0
+
+# /dev/kmsg record header; extra fields after FLAGS (``caller=T123``) are ignored.
+_KMSG_HEAD = re.compile(r"(\d{1,4}),(\d{1,20}),(\d{1,20}),[^;,]*(?:,[^;]*)?;")
+# A /dev/kmsg dictionary (continuation) line: " SUBSYSTEM=pci", " DEVICE=+pci:0000:53:00.0".
+_KMSG_DICT = re.compile(r" [A-Z0-9_]+=")
+_KMSG_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
+
+# Everything a log tool puts before the kernel's message. All parts optional, so it always matches.
+_PREFIX = re.compile(
+    r"\s*(?:<\d{1,3}>)?"                                    # dmesg -r / raw syslog priority
+    r"(?:[a-z]{2,8}\s*:[a-z]{2,8}\s*:\s)?"                  # dmesg -x "kern  :err   : "
+    r"(?:"
+    r"\[\s*(?P<mono>\d+\.\d+)\]"                             # dmesg, journalctl -o short-monotonic
+    r"|\[(?P<ctime>[A-Z][a-z]{2} +[A-Z][a-z]{2} +\d{1,2} +\d{1,2}:\d\d:\d\d +\d{4})\]"  # dmesg -T
+    r"|(?P<iso>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?)"  # RFC 5424
+    r"|[A-Z][a-z]{2} (?P<full>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{1,9})?) (?P<tz>[A-Za-z]{1,5}|[+-]\d{4})"
+    r"|(?P<syslog>[A-Z][a-z]{2} +\d{1,2} \d\d:\d\d:\d\d(?:\.\d{1,9})?)"  # RFC 3164, short-precise
+    r"|(?P<unix>\d{9,11}\.\d{1,9})(?=\s)"                    # journalctl -o short-unix
+    r")?"
+    r"(?:\s+(?P<host>[^\s:\[]+)\s+(?P<tag>[^\s:\[]+)(?:\[(?P<pid>\d+)\])?:(?=\s))?"  # host tag[pid]:
+    r"(?:\s*kernel:(?=\s))?"
+    r"\s*(?:\[\s*(?P<mono2>\d+\.\d+)\])?"                   # kernel time after "kernel:"
+    r"\s*(?:\[\s*(?P<caller>[TC]\d+)\])?"                   # CONFIG_PRINTK_CALLER
+    r"\s*"
+)
+_MONTHS = {m: i for i, m in enumerate(
+    ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"), start=1)}
+
+
+# -- /dev/kmsg records ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class KmsgHeader:
+    """A /dev/kmsg record's header: its sequence number (restarts every boot), its stamp
+    (microseconds since boot) and where its message starts in the line."""
+
+    seq: int
+    usec: int
+    end: int
+
+
+def kmsg_header(line: str) -> KmsgHeader | None:
+    """The header of a /dev/kmsg record line; None for any other line."""
+    head = _KMSG_HEAD.match(line)
+    if head is None:
+        return None
+    return KmsgHeader(seq=int(head.group(2)), usec=int(head.group(3)), end=head.end())
+
+
+def is_kmsg_dictionary_line(line: str) -> bool:
+    """A `` KEY=value`` line the kernel attaches to a record: metadata, never a report."""
+    return line[:1] == " " and _KMSG_DICT.match(line) is not None
+
+
+def unescape_kmsg(message: str) -> str:
+    """Undo /dev/kmsg's ``\\xNN`` escaping (bytes, so escaped UTF-8 decodes correctly)."""
+    raw = _KMSG_ESCAPE.sub(lambda m: bytes((int(m.group(1), 16),)), message.encode("utf-8"))
+    return raw.decode("utf-8", errors="replace")
+
+
+# -- text lines (dmesg, journalctl, syslog) -------------------------------------------------------
+
+def text_prefix(line: str) -> re.Match[str]:
+    """What a log tool put before the kernel's message (always matches; ``end()`` is where the
+    message starts). Groups: the stamps ``mono``/``mono2``/``ctime``/``iso``/``full``+``tz``/
+    ``syslog``/``unix``, and a syslog line's ``host``, ``tag`` and ``pid``."""
+    prefix = _PREFIX.match(line)
+    assert prefix is not None  # every part is optional
+    return prefix
+
+
+def prefix_time(prefix: re.Match[str], boot_time: float, now: float) -> float | None:
+    """Wall time of a text line: its absolute stamp, else ``boot_time`` + its kernel stamp; None
+    when the line has none. Raises ValueError (or OverflowError, OSError) for a stamp that names
+    no time."""
+    if value := prefix.group("iso"):
+        return datetime.fromisoformat(value.replace(",", ".")).timestamp()
+    if value := prefix.group("syslog"):
+        return syslog_time(value, now)
+    if value := prefix.group("ctime"):
+        return datetime.strptime(" ".join(value.split()), "%a %b %d %H:%M:%S %Y").timestamp()
+    if value := prefix.group("full"):
+        return _with_zone(datetime.fromisoformat(value), prefix.group("tz")).timestamp()
+    if value := prefix.group("unix"):
+        return float(value)
+    if value := prefix.group("mono") or prefix.group("mono2"):
+        return boot_time + float(value)
+    return None
+
+
+def syslog_time(value: str, now: float) -> float:
+    """RFC 3164 has no year: take the latest year that does not put the line in the future."""
+    month_name, day, clock = value.split()
+    hms, _, fraction = clock.partition(".")
+    hour, minute, second = (int(x) for x in hms.split(":"))
+    micro = int((fraction + "000000")[:6]) if fraction else 0
+    year = datetime.fromtimestamp(now).year
+    for candidate in (year, year - 1):
+        try:
+            stamp = datetime(candidate, _MONTHS[month_name], int(day), hour, minute, second,
+                             micro).timestamp()
+        except ValueError:  # Feb 29 of a year without one
+            continue
+        if stamp <= now + FUTURE_SKEW_SECONDS:
+            return stamp
+    raise ValueError(f"no year puts {value!r} before now")
+
+
+def _with_zone(moment: datetime, zone: str | None) -> datetime:
+    """journalctl short-full's zone: UTC/GMT or a numeric offset; anything else is local time."""
+    if zone in ("UTC", "GMT", "Z"):
+        return moment.replace(tzinfo=timezone.utc)
+    if zone and zone[0] in "+-" and zone[1:].isdigit():
+        minutes = int(zone[1:3]) * 60 + int(zone[3:5])
+        return moment.replace(tzinfo=timezone(timedelta(minutes=-minutes if zone[0] == "-" else minutes)))
+    return moment
+
+
+# -- bytes ----------------------------------------------------------------------------------------
+
+def decode_text(data: bytes, tally: ErrorTally, where: str) -> str:
+    """``data`` as UTF-8; undecodable bytes are replaced and counted ``decode`` (one per line)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        bad = sum(1 for line in text.split("\n") if "\ufffd" in line)
+        tally.count("decode", f"{where}: {bad} line(s) with bytes that are not UTF-8 (replaced)", n=max(bad, 1))
+        return text

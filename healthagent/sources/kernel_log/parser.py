@@ -1,0 +1,247 @@
+"""Kernel-log lines to ``XidEvent``s: XID, NVSwitch SXid and fallen-off-the-bus reports; no I/O.
+
+Why pure: the same matcher serves every input (``/dev/kmsg``, a followed file, the ring through
+``syslog(2)``) and ``healthagent classify`` over saved text, so one table of lines and expected
+events pins its behaviour for all of them. The kernel log is where the NVIDIA driver reports a
+fault first and in most detail (pid, process, MIG instance, XID 154's recommended recovery).
+
+What a line says (NVIDIA open-gpu-kernel-modules, ``krcReportXid`` and ``nvswitch`` sources):
+``NVRM: Xid (PCI:dddd:bb:dd[ GPU-I:gg][ GPU-CI:cc]): N, pid=P|'<unknown>', name=NAME, text``
+(older drivers: no pid/name, or no ``PCI:``), ``nvidia-nvswitchK: SXid (PCI:dddd:bb:dd.f): N,
+Fatal|Non-fatal, ...`` followed by ``Severity ...`` and ``Data {...}`` lines of the same error (not
+new errors, so they are not counted again), and the three fallen-off-the-bus forms: the XID 79
+line, the driver's ``NVRM: GPU dddd:bb:dd.f: GPU has fallen off the bus.`` and the probe-time
+``NVRM: The NVIDIA GPU dddd:bb:dd.f ... fallen off the bus and is not responding to commands.``
+(one printk of three lines; dmesg prints the last line without the address, so the parser looks
+back two lines for it). NVIDIA's catalog gives "fallen off the bus" XID 79, so those events carry
+``xid=79`` with ``kind="fallen_off_bus"``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator, Sequence
+
+from healthagent.model import FALLEN_OFF_BUS_XID, XidEvent, canonical_pci_bus_id
+from healthagent.sources.base import ErrorTally
+from healthagent.sources.kernel_log.formats import (
+    is_kmsg_dictionary_line,
+    kmsg_header,
+    prefix_time,
+    text_prefix,
+    unescape_kmsg,
+)
+
+SOURCE_NAME = "kmsg"
+# A kernel record's text is at most 8 KiB; of a longer candidate line only this much is parsed.
+MAX_PARSED_CHARS = 16 * 1024
+# Lines before a resume point whose context the parser needs (look-back, SXid headline).
+PARSER_CONTEXT_LINES = 4
+
+# The XID/SXid report proper; group 2 is what the parentheses hold (PCI id, MIG ids: at most
+# "PCI:0000:c5:00 GPU-I:03 GPU-CI:01"). Bounded repeats keep a garbage line linear, not quadratic.
+_XID = re.compile(r"(S?)Xid\s{0,4}\(([^)\n]{0,64})\)\s{0,4}:\s{0,4}(\d{1,9})")
+# A damaged report that still names a number ("NVRM: Xid (PCI:...) 94, ..." / "NVRM: Xid 94").
+_XID_LOOSE = re.compile(r"(S?)Xid\b\s{0,4}(?:\(([^)\n]{0,64})\))?\s{0,4}[:,]?\s{0,4}(\d{1,9})\b")
+_PROCESS = re.compile(r",\s*pid='?(?P<pid><unknown>|\d+)'?(?:,\s*name='?(?P<name>[^,']*)'?)?")
+_PCI_IN_TEXT = re.compile(r"(?<![0-9A-Za-z])(?:PCI:)?([0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)(?![0-9A-Za-z])")
+_GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
+_SXID_DETAIL_PREFIXES = ("Severity", "Data")
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    """What a reader hands the parser: new ``lines`` in log order, the ``context`` lines handed
+    over before them (a resume point: read for their context, never reported again), and whether
+    each line is a ``whole_record`` (one /dev/kmsg read: the kernel already joined a multi-line
+    printk, so no line borrows from the lines before it)."""
+
+    lines: Sequence[str]
+    context: Sequence[str] = ()
+    whole_records: bool = False
+
+
+class XidLineParser:
+    """Turns kernel-log lines into ``XidEvent``s; never raises, counts what it cannot read.
+
+    Stateful only in two small ways: the last two lines (the probe-time fallen-off-the-bus report
+    names its GPU two lines earlier in dmesg's output) and the last SXid headline (its ``Severity``
+    and ``Data`` lines belong to it). ``now`` may be moved forward by the caller each cycle.
+    """
+
+    def __init__(self, tally: ErrorTally, *, boot_time: float, now: float, boot_id: str = "",
+                 earlier_boot_before: float | None = None) -> None:
+        self.tally = tally
+        self.boot_time = boot_time
+        self.now = now
+        self.boot_id = boot_id
+        # A text line whose wall-clock stamp is before this is an earlier boot's (``previous_boot``);
+        # None: not judged (the boot time is unknown, or the input holds only this boot's records).
+        self.earlier_boot_before = earlier_boot_before
+        self._previous: tuple[str, str] = ("", "")
+        self._last_sxid: tuple[str, int] | None = None
+
+    def feed(self, chunk: LogChunk) -> Iterator[XidEvent]:
+        """The events of a reader's chunk: its context is taken first (at once), then its lines
+        are scanned (lazily)."""
+        if chunk.context:
+            self.prime(chunk.context)
+        return self._records(chunk.lines) if chunk.whole_records else self.scan(chunk.lines)
+
+    def prime(self, lines: Iterable[str]) -> None:
+        """Take the context of lines handed over before this parser existed (a restart): the
+        look-back lines and the last SXid headline, yielding no event and counting nothing again."""
+        tally, self.tally = self.tally, ErrorTally(SOURCE_NAME)
+        try:
+            for _ in self.scan(lines):
+                pass
+        finally:
+            self.tally = tally
+
+    def scan(self, lines: Iterable[str]) -> Iterator[XidEvent]:
+        """The events in ``lines``, lazily. Non-XID lines cost two substring tests."""
+        before, last = self._previous
+        try:
+            for line in lines:
+                if "Xid" in line or "fallen off" in line:  # the cheap pre-filter: the hot path
+                    event = self.parse(line, (before, last))
+                    if event is not None:
+                        yield event
+                before, last = last, line
+        finally:
+            self._previous = (before, last)
+
+    def _records(self, lines: Iterable[str]) -> Iterator[XidEvent]:
+        """The events of whole records: each is parsed alone, without look-back."""
+        for line in lines:
+            if "Xid" in line or "fallen off" in line:
+                event = self.parse(line)
+                if event is not None:
+                    yield event
+
+    def parse(self, line: str, previous: tuple[str, str] = ("", "")) -> XidEvent | None:
+        """The event one candidate line reports, or None."""
+        if len(line) > MAX_PARSED_CHARS:
+            self.tally.count("oversized", f"a {len(line)}-character line was cut to {MAX_PARSED_CHARS} "
+                                          f"before parsing: {line[:120]!r}")
+            line = line[:MAX_PARSED_CHARS]
+        try:
+            return self._parse(line.rstrip("\r\n"), previous)
+        except Exception as exc:  # a parser bug must cost one line, never the agent
+            self.tally.count("parse", f"parser error={exc!r} line={line[:300]!r}")
+            return None
+
+    def _parse(self, raw: str, previous: tuple[str, str]) -> XidEvent | None:
+        head = kmsg_header(raw)
+        if head is not None:
+            seq: int | None = head.seq
+            timestamp: float | None = self.boot_time + head.usec / 1e6
+            message = raw[head.end:]
+            if "\\x" in message:
+                message = unescape_kmsg(message)
+        else:
+            if is_kmsg_dictionary_line(raw):
+                return None  # a /dev/kmsg dictionary line, never a report
+            prefix = text_prefix(raw)
+            if prefix.group("pid") and prefix.group("tag") != "kernel":
+                return None  # a user-space program's syslog line quoting an XID, not the driver
+            seq = None
+            message = raw[prefix.end():]
+            if "#012" in message:  # rsyslog's escape of an embedded newline
+                message = message.replace("#012", "\n")
+            timestamp = self._timestamp(prefix, raw)
+        event = None
+        if "Xid" in message:
+            event = self._xid_event(raw, message, timestamp, seq)
+        if event is None and "fallen off" in message and ("NVRM" in message or "GPU" in message):
+            event = self._fallen_off_event(raw, message, timestamp, seq, previous)
+        if (event is not None and seq is None and self.earlier_boot_before is not None
+                and event.timestamp < self.earlier_boot_before):
+            event = replace(event, previous_boot=True)  # a kmsg record (seq) is always this boot's
+        return event
+
+    # -- reports ------------------------------------------------------------------------------------
+
+    def _xid_event(self, raw: str, message: str, timestamp: float | None,
+                   seq: int | None) -> XidEvent | None:
+        match = _XID.search(message)
+        if match is None:
+            if not ("NVRM: Xid" in message or "SXid" in message or "Xid (" in message):
+                return None  # "Xid" in some other word or message: not a report
+            match = _XID_LOOSE.search(message)
+            if match is None:
+                self.tally.count("parse", f"XID line without a readable XID number: {raw[:300]!r}")
+                return None
+            self.tally.count("parse", f"malformed XID line kept: {raw[:300]!r}")
+        kind = "sxid" if match.group(1) else "xid"
+        number = int(match.group(3))
+        parts = (match.group(2) or "").split()
+        pci = canonical_pci_bus_id(parts[0]) if parts else None
+        if pci is None:
+            self.tally.count("parse", f"XID line without a readable PCI id (kept with pci_bus_id \"\"): "
+                                      f"{raw[:300]!r}")
+        gpu_instance = compute_instance = None
+        for part in parts[1:]:
+            label, _, value = part.partition(":")
+            if label == "GPU-I" and value.isdigit():
+                gpu_instance = int(value)
+            elif label == "GPU-CI" and value.isdigit():
+                compute_instance = int(value)
+        rest = message[match.end():]
+        if kind == "sxid" and self._is_sxid_detail(pci or "", number, rest):
+            return None
+        pid = None
+        process_name = ""
+        process = _PROCESS.match(rest)
+        if process is not None:
+            if process.group("pid").isdigit():
+                pid = int(process.group("pid"))
+            name = (process.group("name") or "").strip()
+            process_name = "" if name == "<unknown>" else name
+        return XidEvent(
+            xid=number, pci_bus_id=pci or "", message=message, line=raw,
+            timestamp=self.now if timestamp is None else timestamp,
+            source=SOURCE_NAME, kind=kind, pid=pid, process_name=process_name,
+            gpu_instance=gpu_instance, compute_instance=compute_instance, seq=seq,
+            boot_id=self.boot_id if seq is not None else "",
+        )
+
+    def _is_sxid_detail(self, pci: str, number: int, rest: str) -> bool:
+        """An NVSwitch error is logged as a headline plus ``Severity``/``Data`` lines with the same
+        SXid; only the first line that reaches us is the event (a lone detail line still counts)."""
+        key = (pci, number)
+        detail = rest.lstrip(", ").startswith(_SXID_DETAIL_PREFIXES)
+        repeat = detail and self._last_sxid == key
+        self._last_sxid = key
+        return repeat
+
+    def _fallen_off_event(self, raw: str, message: str, timestamp: float | None, seq: int | None,
+                          previous: tuple[str, str]) -> XidEvent:
+        found = _PCI_IN_TEXT.search(message)
+        if found is None:  # dmesg split the probe-time report: the address is 1-2 lines back
+            for earlier in reversed(previous):
+                if "NVRM" in earlier and (found := _PCI_IN_TEXT.search(earlier)) is not None:
+                    if timestamp is None:  # the report's continuation line carries no stamp
+                        timestamp = self._timestamp(text_prefix(earlier), earlier)
+                    break
+        pci = canonical_pci_bus_id(found.group(1)) if found else None
+        if pci is None:
+            self.tally.count("parse", f"fallen-off-the-bus line without a PCI id (kept with "
+                                      f"pci_bus_id \"\"): {raw[:300]!r}")
+        uuid = _GPU_UUID.search(message)
+        return XidEvent(
+            xid=FALLEN_OFF_BUS_XID, pci_bus_id=pci or "", message=message, line=raw,
+            timestamp=self.now if timestamp is None else timestamp, source=SOURCE_NAME,
+            kind="fallen_off_bus",
+            uuid=uuid.group(0) if uuid else "", seq=seq, boot_id=self.boot_id if seq is not None else "",
+        )
+
+    def _timestamp(self, prefix: re.Match[str], raw: str) -> float | None:
+        """Wall time of a text line (``prefix_time``); None when the line has no stamp or an
+        unreadable one (counted): the event is then stamped ``now``."""
+        try:
+            return prefix_time(prefix, self.boot_time, self.now)
+        except (ValueError, OverflowError, OSError):
+            self.tally.count("parse", f"unreadable timestamp (event kept, stamped now): {raw[:200]!r}")
+        return None

@@ -1,0 +1,176 @@
+"""``KmsgSource``: the kernel log as the loop schedules it; picks the reader and feeds the parser.
+
+Why thin: how each input is read lives in its reader, what a line means in the parser and every
+sentence in ``wording``; what is left is the choice of input, the cursor and the error tally.
+
+The input: ``kernel_log`` when given (a file, or a character device), else the host's /dev/kmsg.
+When that default is refused (a container that is not privileged: its device cgroup's EPERM, a
+file mode's EACCES, a /dev/kmsg not mounted into the pod) the same ring buffer is read through
+``syslog(2)`` (``ring_reader``), which needs only CAP_SYSLOG. That call reads the *running*
+kernel, so it is used only when the host root is that kernel's (same boot id, or a boot id that
+cannot be read): a copied or demo host root is never mixed with this machine's log.
+``SourceHealth.detail`` names the input in use; when none can be read it names what is missing.
+
+Work per ``collect`` is bounded by ``max_records_per_cycle``; the rest waits for the next call,
+nothing is dropped. A text file keeps earlier boots too (``/var/log/kern.log``): an event on a line
+stamped before the host's boot (less ``BOOT_TIME_SLACK_SECONDS``) is reported with
+``previous_boot=True``, which policy counts and never judges. Records with a sequence number
+(/dev/kmsg format) and klogctl's ring are always this boot's.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from healthagent.model import SourceHealth, XidEvent
+from healthagent.sources.base import ErrorTally, SourceResult, host_path, read_boot_id
+from healthagent.sources.kernel_log.boot import BOOT_TIME_SLACK_SECONDS, read_known_boot_time
+from healthagent.sources.kernel_log.cursor import KmsgCursor
+from healthagent.sources.kernel_log.device_reader import KmsgDeviceReader
+from healthagent.sources.kernel_log.file_reader import KernelLogFileReader
+from healthagent.sources.kernel_log.klogctl import KernelLog
+from healthagent.sources.kernel_log.parser import SOURCE_NAME, LogChunk, XidLineParser
+from healthagent.sources.kernel_log.reader import DEFAULT_KMSG, InputError, KernelLogReader, is_char_device, log
+from healthagent.sources.kernel_log.ring_reader import KlogctlReader
+from healthagent.sources.kernel_log.wording import (
+    backlog,
+    describe_klogctl_not_tried,
+    describe_not_a_log,
+    describe_unreadable,
+)
+
+# The klogctl reader's least interval between ring reads: each read costs the kernel a walk over
+# every record in the ring, and a second of delay is nothing next to NVML's event path.
+KLOG_POLL_SECONDS = 1.0
+# Opening the default input failed in a way klogctl can get round (the device cgroup's EPERM, a
+# file mode's EACCES, a /dev/kmsg that is not mounted into the pod).
+_FALLBACK_ERRNOS = (errno.EPERM, errno.EACCES, errno.ENOENT)
+
+
+class KmsgSource:
+    """Follows the kernel log (``<host_root>/dev/kmsg`` or ``kernel_log``) and returns new XIDs.
+
+    ``cursor`` is where a previous run stopped (``KmsgCursor.from_dict`` of the saved state). After
+    each ``collect`` the ``cursor`` property covers exactly the records whose events that call
+    returned, so the loop can save it next to the verdict. ``klog`` reads the kernel's ring buffer
+    when the default input cannot be opened (this machine's kernel through glibc by default), at
+    most every ``klog_poll_seconds`` of the ``now`` given to ``collect``.
+    """
+
+    name = SOURCE_NAME
+
+    def __init__(self, host_root: str, kernel_log: str | None = None, cursor: KmsgCursor | None = None,
+                 max_records_per_cycle: int = 50_000, klog: KernelLog | None = None,
+                 klog_poll_seconds: float = KLOG_POLL_SECONDS) -> None:
+        self.host_root = host_root
+        self.kernel_log = kernel_log
+        self.path = kernel_log or host_path(host_root, DEFAULT_KMSG)
+        self.max_records_per_cycle = max(1, int(max_records_per_cycle))
+        self.klog = klog or KernelLog()
+        self.klog_poll_seconds = max(0.0, float(klog_poll_seconds))
+        self.tally = ErrorTally(SOURCE_NAME)
+        self._cursor = cursor or KmsgCursor()
+        self._reader: KernelLogReader | None = None
+        self._parser: XidLineParser | None = None
+        self._boot_id = ""
+        self._failure = ""  # the detail while the input is unreadable; "" while it is fine
+
+    @property
+    def cursor(self) -> KmsgCursor:
+        return self._cursor
+
+    def collect(self, now: float) -> SourceResult:
+        events: list[XidEvent] = []
+        try:
+            if self._reader is None:
+                self._reader = self._open(now)
+            parser = self._parser
+            assert parser is not None  # opened with the reader
+            parser.now = now
+            detail = self._reader.description
+
+            def take(chunk: LogChunk) -> None:
+                events.extend(parser.feed(chunk))
+
+            if self._reader.read(self.max_records_per_cycle, now, take):
+                detail += backlog(self.max_records_per_cycle)
+        except OSError as exc:
+            self._keep_cursor()  # what was read before the error is handed over with its events
+            return self._failed(exc, events)
+        self._keep_cursor()
+        if self._failure:
+            log.info("source=%s event=readable input=%r", SOURCE_NAME, self._reader.description)
+            self._failure = ""
+        return SourceResult(health=SourceHealth(source=SOURCE_NAME, up=True, detail=detail,
+                                                errors=self.tally.snapshot()),
+                            xids=tuple(events))
+
+    def _keep_cursor(self) -> None:
+        if self._reader is not None:
+            self._cursor = self._reader.cursor(self._boot_id)
+
+    def _failed(self, exc: OSError, events: list[XidEvent]) -> SourceResult:
+        """Unreadable input: report it (counted once per outage, not per 0.1 s retry), retry later."""
+        if isinstance(exc, InputError):
+            detail = exc.strerror or str(exc)
+        elif self._reader is not None:
+            detail = self._reader.describe_failure(exc)
+        else:
+            detail = describe_unreadable(self.path, exc, is_char_device(self.path))
+        self.close()
+        if not self._failure:
+            self.tally.count("unreadable", detail)
+        self._failure = detail
+        return SourceResult(health=SourceHealth(source=SOURCE_NAME, up=False, detail=detail,
+                                                errors=self.tally.snapshot()),
+                            xids=tuple(events))
+
+    def _open(self, now: float) -> KernelLogReader:
+        """Pick and open the input, with a parser for it, resuming after this boot's cursor."""
+        self._boot_id = read_boot_id(self.host_root)
+        boot_time = read_known_boot_time(self.host_root, now)
+        saved = self._cursor
+        same_boot = bool(self._boot_id) and saved.boot_id == self._boot_id
+        try:
+            reader = self._open_path(saved, same_boot)
+        except OSError as exc:
+            if isinstance(exc, InputError) or self.kernel_log or exc.errno not in _FALLBACK_ERRNOS:
+                raise
+            reader = self._open_ring(saved, same_boot, exc)
+        self._parser = XidLineParser(self.tally, boot_time=now if boot_time is None else boot_time,
+                                     now=now, boot_id=self._boot_id)
+        if reader.keeps_earlier_boots and boot_time is not None:
+            # A text file (kern.log, a saved dmesg -T) keeps earlier boots' lines: their XIDs are
+            # history. /dev/kmsg and klogctl hold only the running kernel's records.
+            self._parser.earlier_boot_before = boot_time - BOOT_TIME_SLACK_SECONDS
+        return reader
+
+    def _open_path(self, saved: KmsgCursor, same_boot: bool) -> KernelLogReader:
+        """``self.path``: a character device is read as /dev/kmsg, a regular file is followed."""
+        info = os.stat(self.path)
+        if stat.S_ISCHR(info.st_mode):
+            return KmsgDeviceReader.open(self.path, saved, same_boot, self.tally, self._boot_id)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(errno.EINVAL, describe_not_a_log(self.path))
+        return KernelLogFileReader.open(self.path, saved, same_boot, self.tally, self._boot_id)
+
+    def _open_ring(self, saved: KmsgCursor, same_boot: bool, refusal: OSError) -> KernelLogReader:
+        """The default input could not be opened: read the same ring buffer through klogctl."""
+        kernel_boot_id = self.klog.boot_id()
+        if self._boot_id and kernel_boot_id and kernel_boot_id != self._boot_id:
+            # klogctl reads the running kernel; this host root is another boot (a copy, a demo root).
+            detail = describe_unreadable(self.path, refusal, is_char_device(self.path))
+            raise InputError(refusal.errno, describe_klogctl_not_tried(detail, kernel_boot_id,
+                                                                       self.host_root, self._boot_id))
+        return KlogctlReader.open(self.klog, saved, same_boot, self.tally, self._boot_id,
+                                  device_path=self.path, refusal=refusal, poll_seconds=self.klog_poll_seconds)
+
+    def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            try:
+                reader.close()
+            except OSError:
+                pass
