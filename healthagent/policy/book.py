@@ -64,6 +64,41 @@ class Signal:
 
 
 @dataclass
+class IncidentMember:
+    """One XID number within an incident: how often, and the most severe action it asked for."""
+
+    count: int = 0
+    action: str = "none"
+    why: str = ""
+
+
+@dataclass
+class Incident:
+    """An XID incident: its members by XID number, who reported them, and its time span.
+    ``changed`` marks an incident whose words must be written again (not saved)."""
+
+    earliest: float
+    latest: float
+    members: dict[str, IncidentMember] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+    changed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"members": {x: asdict(m) for x, m in self.members.items()}, "sources": list(self.sources),
+                "earliest": self.earliest, "latest": self.latest}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "Incident | None":
+        """As saved, checked field by field (garbage raises)."""
+        if raw is None:
+            return None
+        members = {str(int(x)): IncidentMember(int(m["count"]), Action.parse(m["action"]).value, str(m.get("why", "")))
+                   for x, m in raw["members"].items()}
+        return cls(earliest=float(raw["earliest"]), latest=float(raw["latest"]), members=members,
+                   sources=[str(src) for src in raw["sources"]])
+
+
+@dataclass
 class Entry:
     """One open finding as the book keeps it (mutable inside the classifier only)."""
 
@@ -80,7 +115,7 @@ class Entry:
     count: int = 1
     xids: tuple[int, ...] = ()
     signature: str = ""
-    incident: dict[str, Any] | None = None  # an XID incident's members (incidents.py)
+    incident: Incident | None = None  # an XID incident (incidents.py)
 
     @property
     def sticky(self) -> bool:
@@ -99,6 +134,7 @@ class Entry:
         d = asdict(self)
         d["action"] = self.action.value
         d["xids"] = list(self.xids)
+        d["incident"] = self.incident.to_dict() if self.incident is not None else None
         return d
 
     @classmethod
@@ -107,7 +143,7 @@ class Entry:
         index = raw.get("gpu_index")
         where = Where(None if index is None else int(index), str(raw.get("pci_bus_id", "")),
                       str(raw.get("uuid", "")), str(raw.get("efa_device", "")))
-        incident = _incident(d.get("incident"))
+        incident = Incident.from_dict(d.get("incident"))
         return cls(
             code=str(d["code"]), action=Action.parse(d["action"]), summary=str(d["summary"]),
             evidence=str(d["evidence"]), next_steps=str(d["next_steps"]), where=where,
@@ -264,16 +300,6 @@ class FindingBook:
             acks={str(k): str(v) for k, v in d.get("acks", {}).items()},
             survivors={str(k) for k in d.get("survivors", [])},
         )
-
-
-def _incident(raw: Any) -> dict[str, Any] | None:
-    """An XID incident's members as saved, checked field by field (garbage raises)."""
-    if raw is None:
-        return None
-    members = {str(int(x)): {"count": int(m["count"]), "action": Action.parse(m["action"]).value,
-                             "why": str(m.get("why", ""))} for x, m in raw["members"].items()}
-    return {"members": members, "sources": [str(s) for s in raw["sources"]],
-            "earliest": float(raw["earliest"]), "latest": float(raw["latest"])}
 
 
 def _escalated(signal: Signal) -> Signal:

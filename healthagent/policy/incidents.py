@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from healthagent.model import FALLEN_OFF_BUS_XID, Action, GpuSample, XidEvent, canonical_pci_bus_id
-from healthagent.policy.book import EVENT, Entry, FindingBook, Where
+from healthagent.policy.book import EVENT, Entry, FindingBook, Incident, IncidentMember, Where
 from healthagent.policy.catalog import Catalog
 from healthagent.policy.counters import finite
 from healthagent.policy.findings import (ACTION_STEPS, ACTION_WORDS, FINDINGS, fill, gpu_words,
@@ -77,8 +77,8 @@ class XidIncidents:
     def describe(self, book: FindingBook) -> None:
         """Write summary, evidence and next steps of the incidents that changed."""
         for entry in book.entries.values():
-            if entry.incident is not None and entry.incident.get("changed"):
-                del entry.incident["changed"]
+            if entry.incident is not None and entry.incident.changed:
+                entry.incident.changed = False
                 self._describe(entry)
 
     # -- cross-source pairing ---------------------------------------------------------------------
@@ -133,20 +133,21 @@ class XidIncidents:
             return
         quiet = self.policy.incident_quiet_seconds
         joinable = [e for _, e in book.matching(code, where.subject) if e.incident is not None
-                    and e.incident["earliest"] - quiet <= t <= e.incident["latest"] + quiet]
+                    and e.incident.earliest - quiet <= t <= e.incident.latest + quiet]
         if joinable:
-            entry = max(joinable, key=lambda e: e.incident["latest"])
+            entry = max(joinable, key=lambda e: e.incident.latest)
         else:
             entry = self._open(code, where, t, book)
         incident = entry.incident
-        member = incident["members"].setdefault(str(entry_info.xid), {"count": 0, "action": "none", "why": ""})
-        member["count"] += 1
-        if action.severity > Action.parse(member["action"]).severity:
-            member["action"], member["why"] = action.value, why
-        if event.source and event.source not in incident["sources"]:
-            incident["sources"].append(event.source)
-        incident["earliest"] = min(incident["earliest"], t)
-        incident["latest"] = max(incident["latest"], t)
+        assert incident is not None  # every entry matched or opened here is an incident
+        member = incident.members.setdefault(str(entry_info.xid), IncidentMember())
+        member.count += 1
+        if action.severity > Action.parse(member.action).severity:
+            member.action, member.why = action.value, why
+        if event.source and event.source not in incident.sources:
+            incident.sources.append(event.source)
+        incident.earliest = min(incident.earliest, t)
+        incident.latest = max(incident.latest, t)
         entry.where = Where(
             entry.where.gpu_index if entry.where.gpu_index is not None else where.gpu_index,
             entry.where.pci_bus_id or where.pci_bus_id, entry.where.uuid or where.uuid)
@@ -154,7 +155,7 @@ class XidIncidents:
         entry.last_seen = max(entry.last_seen, t)
         entry.quiet_seconds = self.policy.xid_window_seconds
         entry.action = Action.most_severe([entry.action, action])
-        incident["changed"] = True
+        incident.changed = True
 
     def _open(self, code: str, where: Where, t: float, book: FindingBook) -> Entry:
         slot = f"{code}/{where.subject}"
@@ -165,7 +166,7 @@ class XidIncidents:
         entry = Entry(code=code, action=Action.NONE, summary="", evidence="", next_steps="", where=where,
                       first_seen=first, last_seen=first, kind=EVENT,
                       quiet_seconds=self.policy.xid_window_seconds, count=0,
-                      incident={"members": {}, "sources": [], "earliest": t, "latest": t})
+                      incident=Incident(earliest=t, latest=t))
         book.entries[key] = entry
         self._bound(code, where.subject, key, book)
         return entry
@@ -180,11 +181,12 @@ class XidIncidents:
                 del book.entries[key]
 
     def _describe(self, entry: Entry) -> None:
-        members = entry.incident["members"]
-        for_action = {x: Action.parse(m["action"]) for x, m in members.items()}
+        incident = entry.incident
+        members = incident.members
+        for_action = {x: Action.parse(m.action) for x, m in members.items()}
         entry.action = Action.most_severe(list(for_action.values()))
         entry.xids = tuple(sorted(int(x) for x in members))
-        worst = max(members, key=lambda x: (for_action[x].severity, members[x]["count"], -int(x)))
+        worst = max(members, key=lambda x: (for_action[x].severity, members[x].count, -int(x)))
         sxid = entry.code == NVSWITCH_SXID
         label = "SXid" if sxid else "XID"
         info = self.catalog.lookup_sxid(int(worst)) if sxid else self.catalog.lookup(int(worst))
@@ -192,11 +194,10 @@ class XidIncidents:
         place = f"NVSwitch {w.pci_bus_id or '(PCI id unknown)'}" if sxid else (
             gpu_words(w.gpu_index, w.pci_bus_id) if (w.pci_bus_id or w.gpu_index is not None)
             else "a GPU the log did not name (node-level)")
-        counts = ", ".join(f"{x} x{members[str(x)]['count']}" for x in entry.xids)
-        sources = ", ".join(entry.incident["sources"]) or "unknown"
-        entry.evidence = (f"{label} {counts} on {place} "
-                          f"{span_words(entry.incident['earliest'], entry.incident['latest'])} "
-                          f"(source: {sources}); {members[worst]['action']}: {members[worst]['why']}")
+        counts = ", ".join(f"{x} x{members[str(x)].count}" for x in entry.xids)
+        sources = ", ".join(incident.sources) or "unknown"
+        entry.evidence = (f"{label} {counts} on {place} {span_words(incident.earliest, incident.latest)} "
+                          f"(source: {sources}); {members[worst].action}: {members[worst].why}")
         what = f"{info.description or info.name} ({label} {worst}, {info.name})"
         if entry.action is Action.RESTART_APP:
             entry.summary = f"the application on {place} faulted: {what}; the GPU is expected to be healthy"
