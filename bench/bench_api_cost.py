@@ -130,8 +130,8 @@ def watch_cadence() -> tuple[int, int] | None:
 def real(tmp: Path, seconds: float) -> tuple[Counter, Counter, list]:
     """(requests in ``seconds`` healthy, requests in ``seconds`` after an XID 95, the watch
     requests made since the agent started, as their timeoutSeconds)."""
-    from healthagent.agent import AgentRuntime
     from healthagent.demo.node import build_demo_root
+    from healthagent.wiring import AgentRuntime
 
     demo = build_demo_root(tmp / "root")
     with HoldingKubeFake() as fake:

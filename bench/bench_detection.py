@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import shutil
 import tempfile
@@ -44,13 +43,13 @@ GPU = 3
 
 def one_run(path: str, work: Path, cache: Path) -> tuple[float, float]:
     """(seconds to the stored taint, seconds to the agent's first API request after the XID)."""
-    from healthagent.agent import AgentRuntime
     from healthagent.demo.node import build_demo_root
+    from healthagent.demo.stub_setup import use_stub_nvml
+    from healthagent.wiring import AgentRuntime
 
     shutil.rmtree(work, ignore_errors=True)
     demo = build_demo_root(work / "root")
-    os.environ["HEALTHAGENT_STUB_NVML_SCENARIO"] = str(demo.scenario)
-    os.environ["XDG_CACHE_HOME"] = str(cache)
+    use_stub_nvml(demo.scenario, cache / "healthagent")
     with HoldingKubeFake() as fake:
         fake.seed_nodes(20)
         settings = load_settings(env={}, flags=dict(

@@ -71,12 +71,13 @@ def fast_forward(intervals: int, work: Path) -> dict:
     """Part 1, run in a child process; returns the figures as a dict."""
     from prometheus_client.exposition import generate_latest
 
-    from healthagent.agent import AgentRuntime
     from healthagent.config import load_settings
     from healthagent.demo.node import build_demo_root
+    from healthagent.demo.stub_setup import use_stub_nvml
+    from healthagent.wiring import AgentRuntime
 
     demo = build_demo_root(work / "root")
-    os.environ["HEALTHAGENT_STUB_NVML_SCENARIO"] = str(demo.scenario)
+    use_stub_nvml(demo.scenario)
     clock = SimClock(time.time())
     settings = load_settings(env={}, flags=dict(
         host_root=str(demo.root), kube="dry-run", node_name="demo-p5-node", listen="127.0.0.1:0",
@@ -133,6 +134,7 @@ def real_run(seconds: float, nvml: bool, kube_url: str | None, work: Path, cache
     """Part 2: the agent process on the wall clock; its CPU time over wall time and its RSS.
     ``kube_url``: write to that (fake) API server through the kubernetes client, else dry-run."""
     from healthagent.demo.node import build_demo_root
+    from healthagent.demo.stub_setup import stub_nvml_env
 
     demo = build_demo_root(work / "root")
     kube = dict(kube="kubeconfig", kubeconfig=write_kubeconfig(kube_url, work / "kubeconfig")) if kube_url \
@@ -140,7 +142,7 @@ def real_run(seconds: float, nvml: bool, kube_url: str | None, work: Path, cache
     agent = AgentProcess(dict(host_root=demo.root, node_name="gpu-node-0", listen="127.0.0.1:0",
                               state_file=work / "state.json", expected_gpus=8, expected_efa_devices=32,
                               no_nvml=not nvml, **kube),
-                         work / "agent.log", env={"XDG_CACHE_HOME": str(cache)})
+                         work / "agent.log", env=stub_nvml_env(demo.scenario, cache / "healthagent"))
     try:
         agent.wait_metric(lambda s: s.value("healthagent_efa_devices") == 32, what="a first cycle")
         cpu0, wall0 = agent.cpu_seconds(), time.monotonic()

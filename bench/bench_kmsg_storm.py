@@ -86,12 +86,13 @@ def follow_rate(lines: int, xid_every: int, runs: int, tmp: Path) -> tuple[float
 
 def agent_flood(lines: int, xid_every: int, tmp: Path) -> dict:
     from healthagent.demo.node import build_demo_root
+    from healthagent.demo.stub_setup import stub_nvml_env
 
     demo = build_demo_root(tmp / "agent-root")
     agent = AgentProcess(dict(host_root=demo.root, kube="dry-run", node_name="demo-p5-node", listen="127.0.0.1:0",
                               state_file=tmp / "agent-state.json", expected_gpus=8, expected_efa_devices=32,
                               log_level="WARNING"),
-                         tmp / "agent.log", env={"XDG_CACHE_HOME": str(tmp / "cache")})
+                         tmp / "agent.log", env=stub_nvml_env(demo.scenario, tmp / "cache" / "healthagent"))
     try:
         agent.wait_metric(lambda s: s.value("healthagent_efa_devices") == 32, what="the agent's first cycle")
         before_peak, before_rss = agent.hwm_kib(), agent.rss_kib()

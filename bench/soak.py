@@ -92,6 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     from healthagent.demo.node import build_demo_root
+    from healthagent.demo.stub_setup import stub_nvml_env
 
     print(f"soak for {args.minutes:g} min, a fault every {args.fault_every:g} s; {machine()}")
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
@@ -106,7 +107,7 @@ def main() -> None:
                 kube = dict(kube="dry-run")
             agent = AgentProcess(dict(host_root=demo.root, node_name=NODE, state_file=work / "state.json",
                                       expected_gpus=8, expected_efa_devices=32, log_level="WARNING", **kube),
-                                 work / "agent.log", env={"XDG_CACHE_HOME": str(work / "cache")})
+                                 work / "agent.log", env=stub_nvml_env(demo.scenario, work / "cache" / "healthagent"))
             faults = Faults(demo, fake)
             try:
                 agent.wait_metric(lambda s: s.value("healthagent_efa_devices") == 32, what="a first cycle")

@@ -1,4 +1,4 @@
-"""Command line: ``healthagent run|check|classify|explain|demo`` (the stable CLI of ARCHITECTURE.md).
+"""Command line: ``healthagent run|check|classify|explain|demo`` (a stable contract: people and scripts rely on it).
 
 Exit codes of ``check``: 0 healthy, 1 degraded (monitor..reset_gpu), 2 node action required
 (reboot_node, replace_node), 3 could not run (a config error, or the GPUs could not be observed
@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 from healthagent import __version__
 from healthagent.config import ConfigError, Settings, load_settings
-from healthagent.model import natural_key
+from healthagent.model import Collection, natural_key
 
 EXIT_CANNOT_RUN = 3
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a Unix tool whose reader left
@@ -169,22 +169,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 # -- check ----------------------------------------------------------------------------------------
 
-def collect_once(settings: Settings):
+def collect_once(settings: Settings) -> Collection:
     """One collection from every configured source, as ``check`` and the demo show it."""
-    from healthagent.agent import build_sources, expected_inventory
-    from healthagent.model import Collection
+    from healthagent.agent import enrich_xid
+    from healthagent.wiring import build_sources, expected_inventory
 
     now = time.time()
     expected = expected_inventory(settings)  # configured, else from the instance type
-    scheduled, event_sources, nvml = build_sources(settings)
-    results = [item.source.collect(now) for item in scheduled]
-    results += [source.collect(now) for source in event_sources]
-    for source in [item.source for item in scheduled] + event_sources:
+    sources = build_sources(settings).all()
+    results = [source.collect(now) for source in sources]
+    for source in sources:
         source.close()
     gpus = next((r.gpus for r in results if r.gpus and r.health.source == "nvml"), None) or next(
         (r.gpus for r in results if r.gpus), ())
-    from healthagent.agent import enrich_xid
-
     xids = tuple(enrich_xid(x, gpus) for r in results for x in r.xids)
     return Collection(
         timestamp=now, gpus=gpus, xids=xids, efa=tuple(s for r in results for s in r.efa),
@@ -291,7 +288,7 @@ def check_json(collection, verdict, exit_code: int | None = None, earlier_boot_x
 def cmd_check(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level if args.log_level else "ERROR")
-    from healthagent.agent import build_classifier
+    from healthagent.wiring import build_classifier
 
     classifier = build_classifier(settings)
     collection = collect_once(settings)
@@ -308,11 +305,24 @@ def cmd_check(args: argparse.Namespace) -> int:
 # -- run / demo -----------------------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``healthagent run``: start, wait for SIGTERM/SIGINT, finish the write in flight, exit 0."""
     settings = _settings(args)
     _setup_logging(settings.log_level)
-    from healthagent.agent import run_agent
+    from healthagent.wiring import AgentRuntime
 
-    return run_agent(settings)
+    runtime = AgentRuntime(settings)
+
+    def _stop(signum: int, _frame: Any) -> None:
+        logging.getLogger(__name__).info("signal=%d stopping", signum)
+        runtime.request_stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    runtime.start()
+    while not runtime.stop_event.wait(1.0):
+        pass
+    runtime.stop()
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

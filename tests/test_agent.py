@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.exposition import generate_latest
 
-from healthagent.agent import AgentRuntime, Scheduled
+from healthagent.agent import Scheduled
 from healthagent.config import load_settings
+from healthagent.demo.stub_setup import use_stub_nvml
 from healthagent.model import SourceHealth
 from healthagent.sources.base import DeadlineSource, SourceResult
+from healthagent.wiring import AgentRuntime
 from tests.support.gated_source import GatedSource
 from tests.support.wait import wait_for
 from tests.telemetry.contract import parse, sample_value
@@ -184,6 +186,7 @@ def test_a_wedged_nvml_is_reported_hung_while_the_loop_goes_on(tmp_path, monkeyp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("HEALTHAGENT_STUB_NVML_SCENARIO", raising=False)
     node, settings = demo_settings(tmp_path, nvml="true", source_timeout_seconds="0.5")
+    use_stub_nvml(node.scenario)
     running = AgentRuntime(settings)
     agent = running.agent
     nvml = next(item for item in agent.scheduled if item.source.name == "nvml")

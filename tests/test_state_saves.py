@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from healthagent.agent import AgentRuntime
+from healthagent.wiring import AgentRuntime
 from healthagent.demo.node import _append, _last_seq, kmsg_record
 from tests.test_agent import demo_settings
 

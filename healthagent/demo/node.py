@@ -1,8 +1,9 @@
 """The bundled demo node: a host root shaped like an AWS p5.48xlarge, written to a directory.
 
 ``healthagent demo``, ``check --host-root <dir>`` and the tests read it exactly as they read a
-real node, through ``--host-root``; nothing in the agent knows it is a demo except the NVML
-scenario file at its root, which switches NVML to the stub library (loudly, see agent.py).
+real node, through ``--host-root``; nothing in the agent knows it is a demo. The NVML scenario
+file at its root is what the stub library answers from, once the demo or a test has put the stub
+in NVML's place (``stub_setup.py``); the agent never does that itself.
 
 What is written (paths under the root):
 - ``sys/``: 32 EFA devices named as rdma-core's persistent naming does (``rdmap79s0``), each an

@@ -5,20 +5,29 @@ devices in a sysfs tree, a /dev/kmsg-format log, an 8 x H100 NVML scenario serve
 ``libnvidia-ml.so.1`` compiled from C), starts the same ``AgentRuntime`` that ``healthagent run``
 starts, with Kubernetes in dry-run, and then appends a real-format XID record to the kernel log.
 What the demo prints is read back from the running agent: its verdict and its ``/metrics``.
+
+Putting the stub in NVML's place is the demo's own step (``stub_setup``), taken here before the
+agent is built; the agent itself never compiles or swaps a library.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from healthagent.config import load_settings
 from healthagent.model import Action
+
+if TYPE_CHECKING:
+    from healthagent.demo.node import DemoNode
+    from healthagent.wiring import AgentRuntime
 
 POLL_SECONDS = 0.02
 DEMO_GRACE_SECONDS = 3.0  # NoSchedule -> NoExecute for replace_node; 120 s on a real node
@@ -28,7 +37,7 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def _wait_for(predicate, timeout: float) -> bool:
+def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -50,7 +59,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.prepare:
         node = build_demo_root(Path(args.prepare))
         _say(f"demo host root written to {node.root}")
-        _say(f"try: healthagent check --host-root {node.root}")
+        _say(f"try: {_check_command(node)}")
         return 0
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
@@ -65,8 +74,10 @@ def run_demo(args: argparse.Namespace) -> int:
             "nvml_interval_seconds": 1, "efa_interval_seconds": 1, "log_level": "WARNING",
             "replace_noexecute_grace_seconds": DEMO_GRACE_SECONDS,
         })
-        from healthagent.agent import AgentRuntime
+        from healthagent.demo.stub_setup import use_stub_nvml
+        from healthagent.wiring import AgentRuntime
 
+        use_stub_nvml(node.scenario)
         runtime = AgentRuntime(settings)
         runtime.start()
         try:
@@ -75,7 +86,21 @@ def run_demo(args: argparse.Namespace) -> int:
             runtime.stop()
 
 
-def _script(args: argparse.Namespace, node, runtime) -> int:
+def _check_command(node: DemoNode) -> str:
+    """``check`` on the prepared root, with the environment that makes its NVML the stub (the
+    production command never sets that up itself); without a C compiler, NVML stays off."""
+    from healthagent.demo.stub_nvml import SCENARIO_ENV, StubBuildError
+    from healthagent.demo.stub_setup import stub_nvml_env
+
+    try:
+        env = stub_nvml_env(node.scenario, base={})
+    except StubBuildError as exc:
+        return f"healthagent check --host-root {shlex.quote(str(node.root))} --no-nvml  ({exc})"
+    prefix = " ".join(f"{key}={shlex.quote(env[key])}" for key in ("LD_LIBRARY_PATH", SCENARIO_ENV))
+    return f"{prefix} healthagent check --host-root {shlex.quote(str(node.root))}"
+
+
+def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> int:
     agent = runtime.agent
     metrics_url = f"http://127.0.0.1:{runtime.server.port}/metrics"
     _say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 via the stub NVML library, "
@@ -110,8 +135,8 @@ def _script(args: argparse.Namespace, node, runtime) -> int:
         _say(f"      next: {f.next_steps}")
 
     _say("\n3. What the agent would write to Kubernetes (dry-run; log lines above show each write)")
-    def taint_is(effect: str):
-        return lambda: agent._kube_status.taint_effect == effect
+    def taint_is(effect: str) -> Callable[[], bool]:
+        return lambda: agent.kube_status.taint_effect == effect
 
     if agent.verdict.action.needs_node_action and _wait_for(taint_is("NoSchedule"), 10):
         _say("   taint NoSchedule now: no new pods land here; the job keeps running so it can checkpoint")
@@ -119,7 +144,7 @@ def _script(args: argparse.Namespace, node, runtime) -> int:
             _say(f"   (the grace before NoExecute is {DEMO_GRACE_SECONDS:g} s in the demo, 120 s by default)")
             if _wait_for(taint_is("NoExecute"), DEMO_GRACE_SECONDS + 15):
                 _say("   taint NoExecute now: the job's pods are evicted and it re-rendezvous without this node")
-    kube = agent._kube_status
+    kube = agent.kube_status
     _say(f"   taint effect now: {kube.taint_effect or 'none'}; budget holding it back: {kube.budget_blocked}")
 
     _say("\n4. What Prometheus scrapes from the agent now")

@@ -41,6 +41,27 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+class Cursor(Protocol):
+    """Where an event source stopped reading, in the shape the state file keeps."""
+
+    def to_dict(self) -> dict: ...
+
+
+class EventSource(Source, Protocol):
+    """A source the loop reads every cycle (the kernel log) whose read position is saved with the
+    decision in one atomic write, so a restart neither loses nor repeats what it reported."""
+
+    @property
+    def cursor(self) -> Cursor: ...
+
+
+class XidEventQueue(Protocol):
+    """XID events a driver thread queued (NVML's event thread); the loop drains them every cycle
+    without a driver call, so a wedged driver cannot hold the loop here."""
+
+    def take_events(self) -> list[XidEvent]: ...
+
+
 @dataclass
 class ErrorTally:
     """Cumulative error counts of one source, by kind, with rate-limited logging.
@@ -102,15 +123,16 @@ class DeadlineSource:
     - when the stuck call returns, the next ``collect`` starts a fresh one (normal service).
 
     ``close`` never blocks on a stuck worker: the wrapped source is closed by that worker when its
-    call returns. Every other attribute (``take_events``, ``tally``, ``cursor``...) is the wrapped
-    source's.
+    call returns. What only the wrapped source has (NVML's ``take_events``, its ``tally``) is read
+    on ``source`` by whoever holds it by its own type; this wrapper is a ``Source`` and nothing
+    more, so a caller can never reach the driver through it by accident.
     """
 
     def __init__(self, source: Source, timeout_seconds: float) -> None:
         if not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be greater than 0, got {timeout_seconds!r}")
-        self.source = source
-        self.name = source.name
+        self.source: Source = source
+        self.name: str = source.name
         self.timeout_seconds = float(timeout_seconds)
         self._tally = ErrorTally(source.name)
         self._lock = threading.Lock()
@@ -118,11 +140,6 @@ class DeadlineSource:
         self._in_episode = False
         self._last_errors: Mapping[str, int] = {}
         self._closed = False
-
-    def __getattr__(self, name: str):
-        if name == "source":  # not set yet (during __init__): never recurse
-            raise AttributeError(name)
-        return getattr(self.source, name)
 
     @property
     def stuck(self) -> bool:

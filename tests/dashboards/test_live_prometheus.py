@@ -149,11 +149,11 @@ def live_stack(tmp_path, monkeypatch):
     """The agent on a fresh demo node, scraped by a real Prometheus that loads the rules."""
     require_binary("prometheus")
     require_binary("cc")  # the stub libnvidia-ml.so.1 is compiled from C
-    from healthagent.agent import AgentRuntime
     from healthagent.config import load_settings
-    from healthagent.demo.node import build_demo_root
-
     from healthagent.demo import stub_nvml
+    from healthagent.demo.node import build_demo_root
+    from healthagent.demo.stub_setup import use_stub_nvml
+    from healthagent.wiring import AgentRuntime
 
     node = build_demo_root(tmp_path / "host")
     # GPU 7 is not there from the start (a GPU that vanishes later is reported lost, not missing).
@@ -161,6 +161,7 @@ def live_stack(tmp_path, monkeypatch):
     # The stub NVML library reads the scenario named here; scope it to this test.
     monkeypatch.setenv("HEALTHAGENT_STUB_NVML_SCENARIO", str(node.scenario))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    use_stub_nvml(node.scenario)
     settings = load_settings(env={}, flags={
         "host_root": str(node.root), "kube": "dry-run", "listen": "127.0.0.1:0",
         "state_file": str(tmp_path / "state.json"), "node_name": NODE, "expected_gpus": 8,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from healthagent.demo.stub_setup import stub_nvml_env
+
 REPO = Path(__file__).parents[2]
 
 pytestmark = pytest.mark.integration
@@ -45,8 +47,9 @@ def test_an_application_xid_leaves_the_node_in_the_job():
 def test_prepare_writes_a_root_that_check_reads(tmp_path):
     done = run_demo("--prepare", str(tmp_path / "root"))
     assert done.returncode == 0, done.stderr
+    env = stub_nvml_env(tmp_path / "root" / "nvml-scenario.json")  # what --prepare says to set
     check = subprocess.run([sys.executable, "-m", "healthagent", "check", "--host-root", str(tmp_path / "root")],
-                           capture_output=True, text=True, timeout=120, cwd=REPO)
+                           capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "GPUs: 8 read" in check.stdout and "EFA devices: 32 read" in check.stdout
     assert "Verdict: none (healthy)" in check.stdout

@@ -30,7 +30,7 @@ def kubeconfig_for(fake, path: Path) -> Path:
 
 
 def test_xid95_on_the_demo_node_taints_reports_and_a_restart_writes_nothing(tmp_path, fake):
-    from healthagent.agent import AgentRuntime
+    from healthagent.wiring import AgentRuntime
     from healthagent.demo.node import build_demo_root
 
     fake.seed_nodes(20)

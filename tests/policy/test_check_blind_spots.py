@@ -17,6 +17,7 @@ import pytest
 from healthagent.cli import main
 from healthagent.demo import stub_nvml
 from healthagent.demo.node import build_demo_root
+from healthagent.demo.stub_setup import stub_nvml_env
 
 REPO = Path(__file__).parents[2]
 EARLIER_BOOTS = REPO / "tests" / "fixtures" / "kmsg" / "kern-earlier-boots.log"
@@ -32,13 +33,17 @@ def needs_cc() -> None:
         pytest.skip("cc not installed: the stub libnvidia-ml.so.1 cannot be built")
 
 
-def check_child(*args: str, blind_nvml_root: Path | None = None) -> subprocess.CompletedProcess:
-    """``healthagent check`` in a child process. ``blind_nvml_root``: NVML is the stub pointed at a
-    scenario that does not exist, so nvmlInit fails as on a node whose driver is not loaded."""
+def check_child(*args: str, scenario: Path | None = None,
+                blind_nvml_root: Path | None = None) -> subprocess.CompletedProcess:
+    """``healthagent check`` in a child process whose NVML is the stub answering from ``scenario``.
+    ``blind_nvml_root``: the stub pointed at a scenario that does not exist, so nvmlInit fails as
+    on a node whose driver is not loaded."""
     env = dict(os.environ)
-    env.pop("HEALTHAGENT_STUB_NVML_SCENARIO", None)
+    env.pop(stub_nvml.SCENARIO_ENV, None)
     if blind_nvml_root is not None:
-        env["HEALTHAGENT_STUB_NVML_SCENARIO"] = str(blind_nvml_root / "no-such-scenario.json")
+        scenario = blind_nvml_root / "no-such-scenario.json"
+    if scenario is not None:
+        env = stub_nvml_env(scenario, base=env)
     return subprocess.run([sys.executable, "-m", "healthagent", "check", *args], capture_output=True,
                           text=True, timeout=120, cwd=REPO, env=env)
 
@@ -121,7 +126,7 @@ def test_explicit_settings_win_over_the_instance_type(node, capsys):
 def test_a_missing_gpu_at_boot_is_found_without_settings(node):
     needs_cc()
     stub_nvml.remove_gpu(node.scenario, 7)  # the node came up with 7 of its 8 GPUs
-    done = check_child("--host-root", str(node.root), "--json")
+    done = check_child("--host-root", str(node.root), "--json", scenario=node.scenario)
     report = json.loads(done.stdout)
     (finding,) = [f for f in report["findings"] if f["code"] == "GPU_MISSING"]
     assert finding["evidence"].startswith("7 GPUs read, expected 8")
@@ -132,17 +137,20 @@ def test_the_agent_expects_the_instance_types_inventory(node, tmp_path):
     from prometheus_client import generate_latest
 
     from healthagent import __version__
-    from healthagent.agent import Agent, build_classifier
+    from healthagent.agent import Agent
     from healthagent.config import load_settings
     from healthagent.effects.state import StateStore
     from healthagent.telemetry.metrics import Telemetry
+    from healthagent.wiring import build_classifier, expected_inventory
 
     settings = load_settings(flags={"host_root": str(node.root), "kube": "off", "nvml": "false",
                                     "efa_expected_from_instance_type": "true",
                                     "state_file": str(tmp_path / "state.json")})
     telemetry = Telemetry(__version__)
+    expected_gpus, expected_efa_devices = expected_inventory(settings)
     agent = Agent(settings, sources=[], event_sources=[], classifier=build_classifier(settings),
-                  state=StateStore(settings.state_file), telemetry=telemetry)
+                  state=StateStore(settings.state_file), telemetry=telemetry,
+                  expected_gpus=expected_gpus, expected_efa_devices=expected_efa_devices)
     assert (agent.expected_gpus, agent.expected_efa_devices) == (8, 32)
     verdict = agent.cycle()
     assert verdict.unobserved == ("gpu",)  # 8 GPUs expected, no GPU source: not "healthy"

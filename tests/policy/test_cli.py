@@ -60,13 +60,14 @@ def test_check_on_the_demo_node(tmp_path, xid, exit_code, words):
     if shutil.which("cc") is None:
         pytest.skip("cc not installed: the stub libnvidia-ml.so.1 cannot be built")
     from healthagent.demo.node import build_demo_root
+    from healthagent.demo.stub_setup import stub_nvml_env
 
     node = build_demo_root(tmp_path / "host")
     node.inject_xid(3, xid)
     # a child process: check loads the stub NVML library, which must not leak into this one
     done = subprocess.run([sys.executable, "-m", "healthagent", "check", "--host-root", str(node.root),
                            "--expected-gpus", "8"], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).parents[2])
+                          cwd=Path(__file__).parents[2], env=stub_nvml_env(node.scenario))
     assert done.returncode == exit_code, done.stdout + done.stderr
     verdict_table = done.stdout.split("Verdict:", 1)[1]
     for word in words:

@@ -50,7 +50,8 @@ def demo(tmp_path):
 def start_agent(tmp_path, demo, fake, stub_cache, monkeypatch) -> Callable:
     """``start_agent(**flags)``: an ``AgentRuntime`` on the demo node writing to the fake API server,
     started; stopped at the end of the test. NVML is off unless ``nvml="true"`` (then the stub)."""
-    from healthagent.agent import AgentRuntime
+    from healthagent.demo.stub_setup import use_stub_nvml
+    from healthagent.wiring import AgentRuntime
 
     runtimes = []
     monkeypatch.setenv("XDG_CACHE_HOME", str(stub_cache))
@@ -62,6 +63,8 @@ def start_agent(tmp_path, demo, fake, stub_cache, monkeypatch) -> Callable:
                       state_file=str(tmp_path / "state" / "state.json"), listen="127.0.0.1:0",
                       expected_efa_devices=32)
         values.update(flags)
+        if values["nvml"] == "true":
+            use_stub_nvml(demo.scenario)
         runtime = AgentRuntime(load_settings(env={}, flags=values))
         runtime.start()
         runtimes.append(runtime)

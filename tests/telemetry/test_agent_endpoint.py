@@ -38,12 +38,14 @@ def scrape(port: int) -> dict:
 def runtime(tmp_path: Path, monkeypatch):
     if shutil.which("cc") is None:
         pytest.skip("cc not installed (Debian package gcc): the demo node's stub NVML is compiled from C")
-    from healthagent.agent import AgentRuntime
     from healthagent.demo.node import build_demo_root
+    from healthagent.demo.stub_setup import use_stub_nvml
+    from healthagent.wiring import AgentRuntime
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("HEALTHAGENT_STUB_NVML_SCENARIO", raising=False)
     node = build_demo_root(tmp_path / "host")
+    use_stub_nvml(node.scenario)
     settings = load_settings(env={}, flags={
         "host_root": str(node.root), "kube": "dry-run", "listen": "127.0.0.1:0",
         "state_file": str(tmp_path / "state.json"), "node_name": "demo-p5-node", "expected_gpus": 8,

@@ -1,0 +1,138 @@
+"""The effects worker: the thread that brings Kubernetes to the loop's newest verdict.
+
+Why a thread of its own: an API server that is slow (10 s a request) or down must never delay
+detection or the exporter, so the loop only hands the verdict over (``submit``) and goes on. The
+worker always works on the newest verdict (coalescing): a burst of forty XIDs costs one reconcile,
+not forty. It also reconciles every ``retry_seconds`` anyway, which retries writes queued during an
+outage and moves a replace_node taint from NoSchedule to NoExecute when its grace has passed; and
+at once when the effects' node watch sees an operator (or another controller) change what the
+effects own (``wake``), so a clear applies now, not on the next retry.
+
+What it drives is ``effects.kube.NodeEffects`` (the ``Effects`` protocol below); the wiring
+(``healthagent/wiring.py``) builds both and connects the watch's ``on_change`` to ``wake``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Callable, Mapping, Protocol
+
+from healthagent.model import KubeStatus, SourceHealth, Verdict
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETRY_SECONDS = 5.0
+
+
+class EventOutbox(Protocol):
+    """The Events queue of the effects: how many a full outbox had to drop (cumulative)."""
+
+    @property
+    def dropped(self) -> int: ...
+
+
+class Effects(Protocol):
+    """What the worker drives; ``NodeEffects`` is the one implementation."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def ledger(self) -> EventOutbox: ...
+
+    @property
+    def errors(self) -> Mapping[str, int]: ...
+
+    def startup(self, now: float, boot_id: str) -> KubeStatus: ...
+
+    def reconcile(self, verdict: Verdict, now: float, boot_id: str,
+                  health: tuple[SourceHealth, ...] = ()) -> KubeStatus: ...
+
+    def close(self) -> None: ...
+
+
+def verdict_signature(verdict: Verdict) -> tuple:
+    """What a reconcile depends on: a verdict with the same signature needs no early wake-up."""
+    return (verdict.action, verdict.unobserved,
+            tuple((f.key, f.action, f.count) for f in verdict.findings))
+
+
+class EffectsWorker:
+    """Runs ``Effects.startup`` once, then ``Effects.reconcile`` with the newest verdict.
+
+    Reconciles when the verdict changes, when ``wake`` is called, and every ``retry_seconds``
+    anyway. ``stop`` lets the write in flight finish (the SIGTERM contract), then closes the
+    effects (their node watch). ``status`` is the effects' last report, read by the loop.
+    """
+
+    def __init__(self, effects: Effects, boot_id: str, clock: Callable[[], float],
+                 retry_seconds: float = DEFAULT_RETRY_SECONDS) -> None:
+        self._effects = effects
+        self._boot_id = boot_id
+        self._clock = clock
+        self._retry = retry_seconds
+        self._verdict: Verdict | None = None
+        self._health: tuple[SourceHealth, ...] = ()
+        self._changed = threading.Event()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="healthagent-effects", daemon=True)
+        # Replaced whole (never mutated) by the worker thread; the loop reads it any time.
+        self.status = KubeStatus(mode=effects.mode)
+        self.reconciles = 0
+        self.failures: Counter[str] = Counter()  # exceptions that escaped the effects, by step
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Reconcile now rather than at the next retry (the node watch saw a change)."""
+        self._changed.set()
+
+    def submit(self, verdict: Verdict, health: tuple[SourceHealth, ...] = ()) -> None:
+        """Hand over the newest verdict (and the sources' health, whose detail explains an
+        ``Unknown`` condition); wakes the worker only when the verdict means something new."""
+        with self._lock:
+            changed = self._verdict is None or verdict_signature(self._verdict) != verdict_signature(verdict)
+            self._verdict = verdict
+            self._health = tuple(health)
+        if changed:
+            self._changed.set()
+
+    def _run(self) -> None:
+        try:
+            self.status = self._effects.startup(self._clock(), self._boot_id)
+        except Exception:  # the worker must survive anything the API or a bug throws
+            self.failures["startup_raised"] += 1
+            log.exception("effects startup failed; will retry on the next reconcile")
+        while not self._stopping.is_set():
+            self._changed.wait(self._retry)
+            self._changed.clear()
+            with self._lock:
+                verdict, health = self._verdict, self._health
+            if verdict is None:
+                continue
+            try:
+                self.status = self._effects.reconcile(verdict, self._clock(), self._boot_id, health=health)
+                self.reconciles += 1
+            except Exception:
+                self.failures["reconcile_raised"] += 1
+                log.exception("effects reconcile failed; desired state kept, retrying")
+
+    def stop(self, timeout: float) -> None:
+        self._stopping.set()
+        self._changed.set()
+        if self._thread.ident is not None:  # started (an agent built but never run has nothing to join)
+            self._thread.join(timeout)
+        self._effects.close()  # ends the node watch thread and its open request
+
+    def errors(self) -> dict[str, int]:
+        """Cumulative failures of the effects side by kind: the effects' own tally (API refusals,
+        conflicts given up, budget counts that failed, internal errors, watch problems), Events
+        dropped from a full outbox, and exceptions that escaped to this worker."""
+        counts = dict(self._effects.errors)
+        counts["events_dropped"] = self._effects.ledger.dropped
+        counts.update(self.failures)
+        return counts

@@ -1,0 +1,214 @@
+"""Wiring: every part of the agent built from ``Settings`` and joined by constructor arguments.
+
+Why one place: the loop (``agent.py``), the sources, policy, effects and telemetry never look
+each other up or probe what another object happens to have; this module decides which parts a
+setting asks for, reads the facts about the node they need (boot id, expected inventory, the state
+saved by the previous run), and hands each part exactly what it uses. ``check`` uses the same
+builders for its one collection, so what ``check`` reads is what ``run`` reads.
+
+Heavy or cluster-only imports (``kubernetes``, ``pynvml`` through the NVML source) stay inside
+the builders that need them, so ``check`` starts fast on a bare node image. Nothing here compiles
+or loads a stub library: NVML is whatever ``libnvidia-ml.so.1`` the dynamic loader finds (the demo
+and the tests arrange the stub themselves, ``healthagent/demo/stub_setup.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from healthagent import __version__
+from healthagent.agent import Agent, Scheduled
+from healthagent.config import ConfigError, Settings, read_yaml
+from healthagent.sources.base import DeadlineSource, Source, read_boot_id
+
+if TYPE_CHECKING:  # types only: each builder imports what it builds when it builds it
+    from healthagent.effects.kube import NodeEffects
+    from healthagent.effects.state import StateStore
+    from healthagent.policy.classify import Classifier
+    from healthagent.sources.kmsg import KmsgCursor, KmsgSource
+    from healthagent.sources.nvml import NvmlSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The sources the settings ask for: periodic ones (each under its deadline), the kernel log
+    (read every cycle) and NVML itself, whose XID queue the loop drains (``None`` when off)."""
+
+    scheduled: list[Scheduled]
+    kernel_log: KmsgSource
+    nvml: NvmlSource | None
+
+    def all(self) -> list[Source]:
+        """Every source the loop collects (periodic first), for a one-off collection or closing."""
+        return [item.source for item in self.scheduled] + [self.kernel_log]
+
+
+def expected_inventory(settings: Settings) -> tuple[int | None, int | None]:
+    """(GPUs, EFA devices) the node must have: each configured value, else the instance type's
+    (``sources/instance.py``); None where neither says."""
+    from healthagent.sources.instance import resolve_expected
+
+    return resolve_expected(settings.host_root, settings.expected_gpus, settings.expected_efa_devices,
+                            efa_from_table=settings.efa_expected_from_instance_type)
+
+
+def build_sources(settings: Settings, on_event: Callable[[], None] | None = None,
+                  kmsg_cursor: KmsgCursor | None = None) -> Sources:
+    """The sources the settings ask for. ``on_event``: called by NVML's event thread when an XID
+    arrives (wakes the loop); ``kmsg_cursor``: where the previous run stopped reading."""
+    from healthagent.sources.efa import EfaSource
+    from healthagent.sources.kmsg import KmsgSource
+
+    # Periodic sources run under a deadline (DeadlineSource): a wedged driver or filesystem must
+    # never hold the loop, which also reads the kernel log and drives the effects.
+    deadline = settings.source_timeout_seconds
+    scheduled: list[Scheduled] = []
+    nvml = None
+    if settings.nvml:
+        from healthagent.sources.nvml import NvmlSource
+
+        nvml = NvmlSource(expected_gpus=expected_inventory(settings)[0], on_event=on_event)
+        # The loop drains nvml.take_events() itself (a queue, never a driver call).
+        scheduled.append(Scheduled(DeadlineSource(nvml, deadline), settings.nvml_interval_seconds))
+    scheduled.append(Scheduled(DeadlineSource(EfaSource(settings.host_root), deadline),
+                               settings.efa_interval_seconds))
+    if settings.dcgm_url:
+        from healthagent.sources.dcgm import DcgmSource
+
+        dcgm = DcgmSource(settings.dcgm_url, settings.dcgm_timeout_seconds)
+        scheduled.append(Scheduled(DeadlineSource(dcgm, max(deadline, 2 * settings.dcgm_timeout_seconds)),
+                                   settings.dcgm_interval_seconds))
+    kmsg = KmsgSource(settings.host_root, settings.kernel_log, cursor=kmsg_cursor,
+                      max_records_per_cycle=settings.kmsg_max_records_per_cycle)
+    return Sources(scheduled=scheduled, kernel_log=kmsg, nvml=nvml)
+
+
+def build_classifier(settings: Settings) -> Classifier:
+    """The classifier with the catalog and the operator's policy file (if any) merged in."""
+    from healthagent.policy.catalog import load_catalog
+    from healthagent.policy.classify import Classifier
+    from healthagent.policy.settings import load_policy
+
+    policy = load_policy(settings.policy_file)
+    return Classifier(policy, load_catalog(policy))
+
+
+def build_effects(settings: Settings, state: StateStore) -> NodeEffects | None:
+    """NodeEffects for the configured Kubernetes mode; None when kube=off (no effects at all)."""
+    if settings.kube == "off":
+        return None
+    from healthagent.effects.kube import NodeEffects
+
+    if settings.kube == "dry-run":
+        return NodeEffects(settings, None, state)
+    if not settings.node_name:
+        raise ConfigError("node_name: the agent must know its own node; set NODE_NAME from the "
+                          "downward API (spec.nodeName) or pass --node-name")
+    return NodeEffects(settings, kube_api_client(settings), state)
+
+
+def kube_api_client(settings: Settings) -> Any:
+    """The ``kubernetes`` ApiClient for kube=in-cluster or kubeconfig; a setup the client cannot
+    use is a ConfigError (one line naming the setting and the fix), never a traceback."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    configuration = client.Configuration()
+    if settings.kube == "kubeconfig":
+        path = settings.kubeconfig or ""
+        # Read it first: the client answers a missing file, a file of another shape or broken
+        # YAML with a misleading message or a TypeError.
+        data = read_yaml(path, "kubeconfig", "--kubeconfig PATH", ConfigError)
+        if not isinstance(data, dict):
+            raise ConfigError(f"kubeconfig: {path!r} is not a kubeconfig (a mapping with clusters, "
+                              "users and contexts); fix --kubeconfig PATH")
+        try:
+            config.load_kube_config(config_file=path, client_configuration=configuration)
+        except ConfigException as exc:
+            raise ConfigError(f"kubeconfig: {path!r} cannot be used ({exc}); fix the file or "
+                              "--kubeconfig PATH") from None
+    else:
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except ConfigException as exc:
+            raise ConfigError(f"kube: in-cluster access needs the pod's service account and "
+                              f"KUBERNETES_SERVICE_HOST ({exc}); outside a cluster use --kube "
+                              "kubeconfig --kubeconfig PATH, --kube dry-run or --kube off") from None
+    return client.ApiClient(configuration)
+
+
+class AgentRuntime:
+    """Everything ``healthagent run`` starts, built from ``settings``, with start/stop so the
+    command, the demo and the tests hold the same object."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+        from healthagent.effects.state import StateStore
+        from healthagent.effects.worker import EffectsWorker
+        from healthagent.sources.kmsg import KmsgCursor
+        from healthagent.telemetry.metrics import Telemetry
+        from healthagent.telemetry.server import AgentServer
+        from healthagent.telemetry.training_intake import TrainingIntake
+
+        self.settings = settings
+        self.stop_event = threading.Event()
+        self.state = StateStore(settings.state_file)
+        self.state.load()
+        wake = threading.Event()  # NVML's event thread wakes the loop through it
+        cursor = KmsgCursor.from_dict(self.state.get("kmsg_cursor") or {})
+        sources = build_sources(settings, on_event=wake.set, kmsg_cursor=cursor)
+        classifier = build_classifier(settings)
+        classifier.restore_state(self.state.get("classifier") or {})
+        self.telemetry = Telemetry(__version__)
+        self.intake = TrainingIntake(settings.training_max_jobs, settings.training_job_idle_seconds)
+        self.telemetry.registry.register(self.intake)
+        host, port = settings.listen_address()
+        self.server = AgentServer(self.telemetry, self.intake, host, port,
+                                  training_token=settings.training_token)
+        boot_id = read_boot_id(settings.host_root)
+        # What the node must have: the settings, else the instance type's row (sources/instance.py).
+        expected_gpus, expected_efa_devices = expected_inventory(settings)
+        log.info("expected inventory gpus=%s efa_devices=%s", expected_gpus, expected_efa_devices)
+        effects = build_effects(settings, self.state)
+        worker = None
+        if effects is not None:
+            worker = EffectsWorker(effects, boot_id, clock)
+            # The node watch wakes the worker when an operator or another controller changes what
+            # the effects own: a clear applies at once, not on the next retry.
+            effects.on_change = worker.wake
+        self.agent = Agent(
+            settings, sources=sources.scheduled, event_sources=[sources.kernel_log], nvml=sources.nvml,
+            classifier=classifier, state=self.state, effects_worker=worker, telemetry=self.telemetry,
+            intake=self.intake, boot_id=boot_id, expected_gpus=expected_gpus,
+            expected_efa_devices=expected_efa_devices, wake=wake, clock=clock,
+        )
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Serve HTTP and run the loop on a background thread."""
+        try:
+            self.server.start()
+        except OSError as exc:  # port in use, address not on this host, name that does not resolve
+            raise ConfigError(f"listen: cannot listen on {self.settings.listen} "
+                              f"({exc.strerror or exc}); choose a free port or an address of this "
+                              "host, e.g. --listen 0.0.0.0:9410") from None
+        self._thread = threading.Thread(target=self.agent.run, args=(self.stop_event, self.server),
+                                        name="healthagent-loop", daemon=True)
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop (safe from a signal handler): it finishes its cycle, then stops."""
+        self.stop_event.set()
+        self.agent.wake.set()
+
+    def stop(self, grace_seconds: float = 10.0) -> None:
+        """Stop the loop (the write in flight finishes, state is saved), then the HTTP server."""
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join(grace_seconds)
+        self.server.stop()
