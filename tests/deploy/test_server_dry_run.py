@@ -119,7 +119,7 @@ def crd_served(plane: ControlPlane, session: requests.Session, name: str) -> boo
     if reply.status_code != 200:
         return False
     crd = reply.json()
-    conditions = {c["type"]: c["status"] for c in crd.get("status", {}).get("conditions", [])}
+    conditions = {c["type"]: c["status"] for c in (crd.get("status") or {}).get("conditions") or []}
     if conditions.get("Established") != "True":
         return False
     group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
