@@ -19,7 +19,7 @@ from typing import Mapping
 
 
 class Action(str, enum.Enum):
-    """What must happen to a node, ordered from mild to severe (ARCHITECTURE.md contract)."""
+    """What must happen to a node, ordered from mild to severe (a stable contract)."""
 
     NONE = "none"
     MONITOR = "monitor"

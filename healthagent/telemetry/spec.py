@@ -1,6 +1,6 @@
 """The exported metric names, types, labels and help texts, in one table.
 
-Dashboards, alerts and people depend on these names (ARCHITECTURE.md: prefix ``healthagent_``,
+Dashboards, alerts and people depend on these names (the conventions: prefix ``healthagent_``,
 base units, counters end ``_total``), so they are declared once here and every collector builds
 its families from this table: a name or label set cannot drift between the renderer, the docs
 test and the help text.
