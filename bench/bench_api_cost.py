@@ -84,7 +84,7 @@ def simulated(tmp: Path) -> tuple[Counter, Counter, Counter]:
         effects = NodeEffects(settings, fake.api_client(), store)
         classifier = Classifier(Policy(), load_catalog(Policy()))
         t = 1_800_000_000.0
-        verdict = classifier.observe(Collection(timestamp=t))
+        verdict = classifier.observe(Collection(timestamp=t)).verdict
         effects.startup(t, BOOT_ID)
 
         def run(seconds: float, first_xids: tuple = ()) -> Counter:
@@ -95,7 +95,7 @@ def simulated(tmp: Path) -> tuple[Counter, Counter, Counter]:
             next_verdict = t
             while t < end:
                 if t >= next_verdict or xids:
-                    verdict = classifier.observe(Collection(timestamp=t, xids=xids))
+                    verdict = classifier.observe(Collection(timestamp=t, xids=xids)).verdict
                     xids = ()
                     next_verdict = t + VERDICT_SECONDS
                 effects.reconcile(verdict, t, BOOT_ID)

@@ -181,18 +181,22 @@ class Agent:
         gpus = self._latest_gpus()
         efa = tuple(s for item in self.scheduled if item.last for s in item.last.efa)
         enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
-        cleared = self._apply_operator_clear(now)
+        operator_clear = self.kube_status.clear_token  # a fact the effects saw on the node object
+        cleared = bool(operator_clear) and operator_clear != self.classifier.clear_token
         if self.verdict is None or enriched or fresh_periodic or cleared:
             collection = Collection(
                 timestamp=now, gpus=gpus, xids=enriched, efa=efa,
                 health=tuple(self._health.values()), boot_id=self.boot_id,
                 expected_gpus=self.expected_gpus,
-                expected_efa_devices=self.expected_efa_devices,
+                expected_efa_devices=self.expected_efa_devices, operator_clear=operator_clear,
             )
-            verdict = self.classifier.observe(collection)
+            assessment = self.classifier.observe(collection)
+            verdict = assessment.verdict
+            if assessment.cleared or cleared:
+                log.warning("operator_clear token=%s findings_cleared=%d", operator_clear, assessment.cleared)
             # The classifier drops the copies of one XID that several sources report (kmsg + NVML
             # event + dcgm), so the counter counts what it counted, once.
-            for event in self.classifier.counted_xids:
+            for event in assessment.counted_xids:
                 self.xids.add(event)
             if enriched:
                 log.info("xids=%s verdict=%s", ",".join(str(x.xid) for x in enriched), verdict.action.value)
@@ -205,18 +209,6 @@ class Agent:
         self.cycles += 1
         self._publish(now, gpus, efa)
         return self.verdict
-
-    def _apply_operator_clear(self, now: float) -> bool:
-        """An operator cleared the node (``healthagent.io/clear`` annotation, or the agent's taint
-        removed by hand): forget every open finding, once per token. The token is saved with the
-        classifier state in the same atomic write, so a restart never clears twice."""
-        token = self.kube_status.clear_token
-        if not token or token == self.state.get("clear_handled"):
-            return False
-        cleared = self.classifier.clear(now, f"operator clear {token}")
-        self.state.put("clear_handled", token)
-        log.warning("operator_clear token=%s findings_cleared=%d", token, cleared)
-        return True
 
     def _collect(self, source: Source, now: float) -> SourceResult:
         started = time.monotonic()

@@ -292,9 +292,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     classifier = build_classifier(settings)
     collection = collect_once(settings)
-    verdict = classifier.observe(collection)
+    assessment = classifier.observe(collection)
+    verdict = assessment.verdict
     code = check_exit_code(verdict, nvml_asked=settings.nvml)
-    earlier = len(classifier.earlier_boot_xids)
+    earlier = len(assessment.earlier_boot_xids)
     if args.json:
         print(json.dumps(check_json(collection, verdict, code, earlier), indent=2, sort_keys=True, default=str))
     else:

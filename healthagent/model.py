@@ -228,6 +228,10 @@ class Collection:
     # Inventory the node is expected to have (from config or the instance type); None = unknown.
     expected_gpus: int | None = None
     expected_efa_devices: int | None = None
+    # A fact about the node object: the last operator clear the effects saw on it (the
+    # ``healthagent.io/clear`` token, or "taint-removed-<time>" for the agent's taint removed by
+    # hand). Policy forgets every open finding once per new token.
+    operator_clear: str = ""
 
 
 @dataclass(frozen=True)

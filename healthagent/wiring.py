@@ -164,6 +164,8 @@ class AgentRuntime:
         sources = build_sources(settings, on_event=wake.set, kmsg_cursor=cursor)
         classifier = build_classifier(settings)
         classifier.restore_state(self.state.get("classifier") or {})
+        if not classifier.clear_token:  # a state file from before the token moved into policy
+            classifier.clear_token = str(self.state.get("clear_handled") or "")
         self.telemetry = Telemetry(__version__)
         self.intake = TrainingIntake(settings.training_max_jobs, settings.training_job_idle_seconds)
         self.telemetry.registry.register(self.intake)

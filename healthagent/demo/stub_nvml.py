@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from healthagent.common import atomic_write
+
 SCENARIO_ENV = "HEALTHAGENT_STUB_NVML_SCENARIO"
 SONAME = "libnvidia-ml.so.1"
 STUB_SOURCE = Path(__file__).with_name("stub_nvml.c")
@@ -154,19 +156,7 @@ def write_scenario_text(path: Path | str, text: str | bytes) -> None:
         previous_ns = path.stat().st_mtime_ns
     except FileNotFoundError:
         previous_ns = 0
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        mtime_ns = max(time.time_ns(), previous_ns + 1)
-        os.utime(tmp_name, ns=(mtime_ns, mtime_ns))
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
+    atomic_write(path, payload, mtime_ns=max(time.time_ns(), previous_ns + 1), sync_dir=False)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from healthagent.effects.budget import (
 from healthagent.effects.node_desired import owned_taints, parse_rfc3339
 from healthagent.effects.node_watch import resource_version
 from healthagent.effects.plan import Budget
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 
 log = logging.getLogger(__name__)
 

@@ -41,11 +41,12 @@ because of it, and the budget is not asked.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from healthagent.config import Settings
 from healthagent.effects.backend import (
@@ -75,7 +76,7 @@ from healthagent.effects.node_writer import NodeWriter
 from healthagent.effects.plan import Budget, NodePlan, PlanSettings, needs_budget, plan_node
 from healthagent.effects.record import STATE_KEY, AppliedTaint, EffectsRecord
 from healthagent.model import KubeStatus, SourceHealth, Verdict
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +160,29 @@ class NodeEffects:
         """Read the node (the watch's LIST), start the watch, adopt what the node records, deliver
         queued Events. Writes nothing to the node: the first reconcile (right after the loop's
         first cycle) does, with a verdict in hand."""
-        self._guard(lambda: self._startup(now, boot_id))
+        with self._guarded():
+            self._startup(now, boot_id)
         return self.status()
 
     def reconcile(self, verdict: Verdict, now: float, boot_id: str,
                   health: "tuple[SourceHealth, ...] | list[SourceHealth]" = ()) -> KubeStatus:
         """Bring the node to the verdict. Never raises. ``health``: the sources' latest health,
         whose detail says in an ``Unknown`` condition why a subsystem could not be observed."""
-        self._guard(lambda: self._reconcile(verdict, now, boot_id, tuple(health)))
+        with self._guarded():
+            self._start_watch()  # a no-op after ``startup``
+            self._note_boot(boot_id)
+            self._verdict, self._health = verdict, tuple(health)
+            keys = {f.key for f in verdict.findings}
+            self.record.cleared = [k for k in self.record.cleared if k in keys]
+            cleared = set(self.record.cleared)
+            self.ledger.want(finding_events([f for f in verdict.findings if f.key not in cleared], self.record,
+                                            self.node_name, now))
+            try:
+                self._sync(now)
+            except ApiError as exc:
+                self._failed(exc)
+                self._pending = self._pending_against_known(now)
+            self._deliver_events(now)
         return self.status()
 
     def close(self) -> None:
@@ -219,10 +235,13 @@ class NodeEffects:
     def _owned_view(self, node: dict | None) -> tuple:
         return owned_view(node, self.settings.taint_key, self.settings.hyperpod_labels)
 
-    def _guard(self, work: Callable[[], None]) -> None:
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """Around each entry point: a bug must not stop the effects thread (the state is kept,
+        the error counted); the record is saved after every step."""
         try:
-            work()
-        except Exception:  # a bug here must not stop the effects thread; the state is kept
+            yield
+        except Exception:
             self._dirty = True
             self._tally.count("internal", "effects step failed (see the traceback)")
             log.exception("effects internal error node=%s", self.node_name)
@@ -238,23 +257,6 @@ class NodeEffects:
             return
         self.facts.observe(node, now, self._verdict)
         self._dirty = False
-        self._deliver_events(now)
-
-    def _reconcile(self, verdict: Verdict, now: float, boot_id: str, health: tuple[SourceHealth, ...]) -> None:
-        self._start_watch()  # a no-op after ``startup``
-        self._note_boot(boot_id)
-        self._verdict = verdict
-        self._health = health
-        keys = {f.key for f in verdict.findings}
-        self.record.cleared = [k for k in self.record.cleared if k in keys]
-        cleared = set(self.record.cleared)
-        self.ledger.want(finding_events([f for f in verdict.findings if f.key not in cleared], self.record,
-                                        self.node_name, now))
-        try:
-            self._sync(now)
-        except ApiError as exc:
-            self._failed(exc)
-            self._pending = self._pending_against_known(now)
         self._deliver_events(now)
 
     # -- reading -----------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import time
 from typing import Any, Callable
 
 from healthagent.effects.backend import ApiError, ApiRejected, Expired, classify_status, jittered_backoff
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from healthagent.effects.backend import ApiError, Conflict, jittered_backoff
 from healthagent.effects.plan import NodePlan
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ class NodeWriter:
         for attempt in range(self.max_attempts):
             if plan.node_patch is None:
                 return NodeWrite(node, plan, node, True)
-            patch, basis = plan.node_patch, node
-            reply = self._attempt("node", lambda: self._backend.patch_node(patch, basis), patch, attempt)
+            reply = self._attempt("node", self._backend.patch_node, (plan.node_patch, node), attempt)
             if not isinstance(reply, Conflict):
                 return NodeWrite(reply, plan, node, True)
             node = reread() if reply.node is None else reply.node
@@ -73,16 +72,17 @@ class NodeWriter:
         if patch is None:
             return node, True
         for attempt in range(self.max_attempts):
-            reply = self._attempt("node_status", lambda: self._backend.patch_node_status(patch), patch, attempt)
+            reply = self._attempt("node_status", self._backend.patch_node_status, (patch,), attempt)
             if not isinstance(reply, Conflict):
                 return reply, True
         self._exhausted("node_status")
         return node, False
 
-    def _attempt(self, kind: str, send: Callable[[], dict], patch: dict, attempt: int) -> "dict | Conflict":
-        """One write: its reply, or the Conflict after the backoff; other API errors raise."""
+    def _attempt(self, kind: str, send: Callable[..., dict], args: tuple, attempt: int) -> "dict | Conflict":
+        """One write, ``send(*args)`` with the patch first: its reply, or the Conflict after the
+        backoff; other API errors raise."""
         try:
-            reply = send()
+            reply = send(*args)
         except Conflict as exc:
             self.count(kind, "conflict")
             self._sleep(jittered_backoff(attempt, BACKOFF_BASE_SECONDS, BACKOFF_CAP_SECONDS, self._rng))
@@ -91,7 +91,7 @@ class NodeWriter:
             self.count(kind, "error")
             raise
         self.count(kind, "ok")
-        log.info("effects write=%s node=%s %s", kind, self._node_name, describe(patch))
+        log.info("effects write=%s node=%s %s", kind, self._node_name, describe(args[0]))
         return reply
 
     def _exhausted(self, kind: str) -> None:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -141,38 +140,9 @@ class StateStore:
             return True
 
     def _write(self, payload: bytes) -> None:
-        directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(directory)
+        atomic_write(self.path, payload)
 
 
 def _encode(value: Any) -> str:
     """``value`` as compact JSON with sorted keys; raises TypeError/ValueError if JSON cannot hold it."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable; some filesystems cannot open a directory (ignored)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

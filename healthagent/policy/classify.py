@@ -1,12 +1,15 @@
 """Observations -> findings -> verdict: the classifier the agent loop and ``check`` call.
 
-``Classifier.observe(collection)`` is pure in the sense that matters: no I/O, no clock reads (only
+``Classifier.observe(collection)`` returns an ``Assessment`` (the verdict and what the loop must
+count from this observation) and is pure in the sense that matters: no I/O, no clock reads (only
 ``collection.timestamp`` and the samples' timestamps), so every decision can be replayed in a
 test. Its memory (open findings, XID incidents, counter histories) is exported with
 ``export_state`` and saved by the agent in the same atomic write as the kernel-log cursor, so a
 restart neither forgets an open finding nor counts an XID twice.
 
 The order of one observation:
+0. an operator clear the node shows with a new token (``Collection.operator_clear``) forgets every
+   open finding, once per token (the token is part of the saved state);
 1. a new boot id (a reboot) closes every finding below replace_node;
 2. a new UUID at a known PCI id (the GPU was physically replaced) closes that GPU's findings;
 3. XIDs join incidents (those of an earlier boot are only counted); GPU and EFA samples run their
@@ -18,6 +21,7 @@ The order of one observation:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from healthagent.model import Collection, GpuSample, Verdict, XidEvent
@@ -36,7 +40,20 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 MAX_TRACKS = 256  # GPUs / EFA ports remembered; far above any real node, a bound for garbage input
 
-__all__ = ["Classifier", "classify_event", "explain"]
+__all__ = ["Assessment", "Classifier", "classify_event", "explain"]
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """What one observation concluded."""
+
+    verdict: Verdict
+    # The XIDs that count (a second reporter's copy of one fault, within xid_dedupe_seconds, is
+    # left out): what healthagent_xid_errors_total adds.
+    counted_xids: tuple[XidEvent, ...] = ()
+    # XIDs logged during an earlier boot (a kernel-log file's history): counted, never judged.
+    earlier_boot_xids: tuple[XidEvent, ...] = ()
+    cleared: int = 0  # findings an operator's clear closed in this observation
 
 
 class Classifier:
@@ -50,13 +67,7 @@ class Classifier:
         self.efa_rules = EfaRules(policy)
         self.restore_errors = 0
         self.internal_errors = 0
-        # The XIDs of the last observation that count (a repeat of the same XID from a second
-        # reporter within xid_dedupe_seconds is left out): what healthagent_xid_errors_total should add.
-        self.counted_xids: tuple[XidEvent, ...] = ()
-        # XIDs logged during an earlier boot (``XidEvent.previous_boot``: a kernel-log file's
-        # history): never judged, only counted. The last observation's, and the total since start.
-        self.earlier_boot_xids: tuple[XidEvent, ...] = ()
-        self.earlier_boot_total = 0
+        self.earlier_boot_total = 0  # XIDs from earlier boots seen since start (logged, not judged)
         self._reset()
 
     def _reset(self) -> None:
@@ -67,28 +78,36 @@ class Classifier:
         self.known_gpus: dict[str, str] = {}  # PCI id -> "GPU 3 (0000:a8:00.0)", seen since the last clear
         self.known_efa: dict[str, str] = {}
         self.boot_id = ""
+        self.clear_token = ""  # the last operator clear acted on
         self.now = 0.0
         self.inventory_time: float | None = None
 
     # -- observe ----------------------------------------------------------------------------------
 
-    def observe(self, collection: Collection) -> Verdict:
+    def observe(self, collection: Collection) -> Assessment:
         now = float(collection.timestamp) if finite(collection.timestamp) else self.now
         self.now = now
+        cleared = 0
+        token = collection.operator_clear
+        if token and token != self.clear_token:
+            cleared = self.clear(now, f"operator clear {token}")
+            self.clear_token = token
         self._guard("boot", self._check_boot, collection)
         self._guard("replaced", self._check_replaced, collection.gpus)
         counted: list[XidEvent] = []
-        self.earlier_boot_xids = tuple(x for x in collection.xids if x.previous_boot)
-        if self.earlier_boot_xids:
-            self.earlier_boot_total += len(self.earlier_boot_xids)
+        earlier = tuple(x for x in collection.xids if x.previous_boot)
+        if earlier:
+            self.earlier_boot_total += len(earlier)
             log.info("xids_from_earlier_boots=%d total=%d not judged (logged before this boot)",
-                     len(self.earlier_boot_xids), self.earlier_boot_total)
+                     len(earlier), self.earlier_boot_total)
         current = tuple(x for x in collection.xids if not x.previous_boot)
         arranged = self._guard("xids", self.incidents.arrange, current, collection.gpus, now) or []
         for event, t, where in arranged:  # one by one: a bad event must not take its batch with it
-            if self._guard("xid", self.incidents.take, event, t, where, self.book):
-                counted.append(event)
-        self.counted_xids = tuple(counted)
+            try:
+                if self.incidents.take(event, t, where, self.book):
+                    counted.append(event)
+            except Exception:
+                self._internal("xid")
         self._guard("xids", self.incidents.describe, self.book)
         for gpu in collection.gpus:
             self._guard("gpu", self._apply, self.gpu_rules.evaluate(gpu, self._gpu_track(gpu), now), now)
@@ -97,7 +116,8 @@ class Classifier:
         if self._inventory_is_new(collection, now):
             self._guard("inventory", self._apply, inventory(collection, self.known_gpus, self.known_efa), now)
         blind = self._guard("unobserved", unobserved, collection) or ()
-        return Verdict.of(self.book.findings(now), now, unobserved=blind)
+        return Assessment(Verdict.of(self.book.findings(now), now, unobserved=blind), tuple(counted), earlier,
+                          cleared)
 
     def _apply(self, signals: Iterable[Signal], now: float) -> None:
         for signal in signals:
@@ -108,10 +128,14 @@ class Classifier:
         try:
             return fn(*args)
         except Exception:
-            self.internal_errors += 1
-            if self.internal_errors <= 3 or self.internal_errors % 1000 == 0:
-                log.exception("policy stage=%s failed errors=%d", stage, self.internal_errors)
+            self._internal(stage)
             return None
+
+    def _internal(self, stage: str) -> None:
+        """Count a rule's bug; log the first few (with the traceback being handled)."""
+        self.internal_errors += 1
+        if self.internal_errors <= 3 or self.internal_errors % 1000 == 0:
+            log.exception("policy stage=%s failed errors=%d", stage, self.internal_errors)
 
     def _check_boot(self, collection: Collection) -> None:
         boot_id = collection.boot_id or ""
@@ -179,6 +203,7 @@ class Classifier:
         return {
             "version": STATE_VERSION,
             "boot_id": self.boot_id,
+            "clear_token": self.clear_token,
             "now": self.now,
             "inventory_time": self.inventory_time,
             "book": self.book.to_dict(),
@@ -199,6 +224,7 @@ class Classifier:
             if not isinstance(d, dict) or d.get("version") != STATE_VERSION:
                 raise ValueError(f"unknown state version {d.get('version') if isinstance(d, dict) else type(d)}")
             self.boot_id = str(d.get("boot_id", ""))
+            self.clear_token = str(d.get("clear_token", ""))
             self.now = float(d.get("now", 0.0))
             inventory_time = d.get("inventory_time")
             self.inventory_time = None if inventory_time is None else float(inventory_time)

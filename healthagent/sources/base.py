@@ -1,4 +1,4 @@
-"""What every source shares: the protocol the loop drives and the error tally.
+"""What every source shares: the protocol the loop drives (the error tally is ``common.ErrorTally``).
 
 A source never raises on bad data. It reads what it can, counts what it could not by kind
 (``parse``, ``unreadable``, ``timeout`` ...), logs one line per problem (rate-limited by the
@@ -11,10 +11,10 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
+from healthagent.common import ErrorTally
 from healthagent.model import EfaSample, GpuSample, SourceHealth, XidEvent
 
 log = logging.getLogger(__name__)
@@ -60,37 +60,6 @@ class XidEventQueue(Protocol):
     without a driver call, so a wedged driver cannot hold the loop here."""
 
     def take_events(self) -> list[XidEvent]: ...
-
-
-@dataclass
-class ErrorTally:
-    """Cumulative error counts of one source, by kind, with rate-limited logging.
-
-    Thread-safe because the NVML event thread and the loop both count into the NVML tally.
-    """
-
-    source: str
-    log_every_seconds: float = 60.0
-    counts: Counter = field(default_factory=Counter)
-    _last_logged: dict = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def count(self, kind: str, message: str, n: int = 1) -> None:
-        """Count ``n`` errors of ``kind`` and log the message at most once a minute per kind."""
-        now = time.monotonic()
-        with self._lock:
-            self.counts[kind] += n
-            last = self._last_logged.get(kind)
-            should_log = last is None or now - last >= self.log_every_seconds
-            if should_log:
-                self._last_logged[kind] = now
-            total = self.counts[kind]
-        if should_log:
-            log.warning("source=%s error=%s total=%d %s", self.source, kind, total, message)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.counts)
 
 
 class _Call:

@@ -47,7 +47,8 @@ from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from healthagent.model import EccCounts, GpuSample, RemapState, RetiredPages, SourceHealth, XidEvent
 from healthagent.model import canonical_pci_bus_id
-from healthagent.sources.base import ErrorTally, SourceResult
+from healthagent.common import ErrorTally
+from healthagent.sources.base import SourceResult
 from healthagent.sources.nvml import THROTTLE_REASONS
 
 MAX_BODY_BYTES = 16 * 1024 * 1024

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from healthagent.model import EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
-from healthagent.sources.base import ErrorTally, SourceResult, host_path
+from healthagent.common import ErrorTally
+from healthagent.sources.base import SourceResult, host_path
 
 log = logging.getLogger(__name__)
 

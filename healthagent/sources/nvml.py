@@ -42,7 +42,8 @@ from healthagent.model import (
     XidEvent,
     canonical_pci_bus_id,
 )
-from healthagent.sources.base import ErrorTally, SourceResult
+from healthagent.common import ErrorTally
+from healthagent.sources.base import SourceResult
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.training_intake import IntakeReply, TrainingIntake
 

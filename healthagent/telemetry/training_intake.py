@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.telemetry import spec as names
 from healthagent.telemetry.training_schema import (
     REJECT_REASONS,

@@ -11,7 +11,7 @@ from healthagent.model import Action, SourceHealth, Verdict
 from healthagent.policy.catalog import load_catalog, sxid_severity
 from healthagent.policy.classify import classify_event
 from healthagent.policy.settings import parse_policy
-from tests.support.policy import T0, classifier, codes, collect, efa, gpus, only, xid
+from tests.support.policy import verdict_of, T0, classifier, codes, collect, efa, gpus, only, xid
 
 
 def up(source: str) -> SourceHealth:
@@ -44,14 +44,14 @@ def down(source: str, detail: str = "unavailable: libnvidia-ml.so.1 not found") 
     ([], True, 8, ()),
 ])
 def test_unobserved_names_what_no_source_could_see(health, with_gpus, expected_gpus, unobserved):
-    verdict = classifier().observe(collect(T0, gpus=gpus() if with_gpus else (), health=health,
+    verdict = verdict_of(classifier(), collect(T0, gpus=gpus() if with_gpus else (), health=health,
                                            expected_gpus=expected_gpus))
     assert verdict.unobserved == unobserved
     assert verdict.action is Action.NONE  # an unseen GPU is not a finding either
 
 
 def test_unseen_gpus_do_not_hide_what_was_seen():
-    verdict = classifier().observe(collect(T0, xids=[xid(94)], health=[down("nvml"), up("efa"), up("kmsg")]))
+    verdict = verdict_of(classifier(), collect(T0, xids=[xid(94)], health=[down("nvml"), up("efa"), up("kmsg")]))
     assert verdict.unobserved == ("gpu",)
     assert verdict.action is Action.REPLACE_NODE and codes(verdict) == ["GPU_XID"]
 
@@ -68,14 +68,16 @@ def test_xids_from_an_earlier_boot_are_counted_never_judged():
     ten_months_ago = T0 - 300 * 86_400
     old = [replace(xid(94, t=ten_months_ago), previous_boot=True),
            replace(xid(79, index=5, t=ten_months_ago + 60), previous_boot=True)]
-    verdict = clf.observe(collect(T0, gpus=gpus(), xids=old))
+    seen = clf.observe(collect(T0, gpus=gpus(), xids=old))
+    verdict = seen.verdict
     assert verdict.findings == () and verdict.action is Action.NONE
-    assert [x.xid for x in clf.earlier_boot_xids] == [94, 79]
-    assert clf.counted_xids == ()  # so healthagent_xid_errors_total does not count them
+    assert [x.xid for x in seen.earlier_boot_xids] == [94, 79]
+    assert seen.counted_xids == ()  # so healthagent_xid_errors_total does not count them
     # The current boot's XIDs in the same batch are judged as ever.
-    verdict = clf.observe(collect(T0 + 10, gpus=gpus(T0 + 10), xids=[*old, xid(13, t=T0 + 5)]))
+    seen = clf.observe(collect(T0 + 10, gpus=gpus(T0 + 10), xids=[*old, xid(13, t=T0 + 5)]))
+    verdict = seen.verdict
     assert only(verdict, "GPU_XID").xids == (13,) and verdict.action is Action.RESTART_APP
-    assert [x.xid for x in clf.counted_xids] == [13]
+    assert [x.xid for x in seen.counted_xids] == [13]
     assert clf.earlier_boot_total == 4
 
 
@@ -108,7 +110,7 @@ def sxid_event(line: str, number: int, pci: str = "0000:c3:00.0"):
     (DATA_ONLY, 22013, Action.MONITOR, "monitor: SXid without a stated severity"),
 ])
 def test_fatal_sxids_take_the_node_out_non_fatal_ones_are_watched(line, number, action, words):
-    verdict = classifier().observe(collect(T0, gpus=gpus(), xids=[sxid_event(line, number)]))
+    verdict = verdict_of(classifier(), collect(T0, gpus=gpus(), xids=[sxid_event(line, number)]))
     finding = only(verdict, "NVSWITCH_SXID")
     assert finding.action is action and verdict.action is action
     assert words in finding.evidence
@@ -117,11 +119,11 @@ def test_fatal_sxids_take_the_node_out_non_fatal_ones_are_watched(line, number, 
 def test_the_policy_file_overrides_sxids_either_way():
     pol = parse_policy({"sxid": {20034: "monitor", 12028: "reboot_node"}})
     clf = classifier(pol)
-    verdict = clf.observe(collect(T0, gpus=gpus(), xids=[sxid_event(FATAL, 20034)]))
+    verdict = verdict_of(clf, collect(T0, gpus=gpus(), xids=[sxid_event(FATAL, 20034)]))
     finding = only(verdict, "NVSWITCH_SXID")
     assert finding.action is Action.MONITOR
     assert "fatal SXid; operator override (monitor)" in finding.evidence
-    verdict = classifier(pol).observe(collect(T0, gpus=gpus(), xids=[sxid_event(NON_FATAL, 12028, "0000:86:00.0")]))
+    verdict = verdict_of(classifier(pol), collect(T0, gpus=gpus(), xids=[sxid_event(NON_FATAL, 12028, "0000:86:00.0")]))
     assert only(verdict, "NVSWITCH_SXID").action is Action.REBOOT_NODE
 
 
@@ -134,6 +136,6 @@ def test_classify_output_keeps_its_keys_and_says_the_action():
 
 
 def test_efa_samples_do_not_count_as_gpu_observation():
-    verdict = classifier().observe(collect(T0, efa=[efa("rdmap79s0")], health=[down("nvml"), up("efa")],
+    verdict = verdict_of(classifier(), collect(T0, efa=[efa("rdmap79s0")], health=[down("nvml"), up("efa")],
                                            expected_gpus=8))
     assert verdict.unobserved == ("gpu",)

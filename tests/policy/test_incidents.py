@@ -3,7 +3,7 @@
 import json
 
 from healthagent.model import Action
-from tests.support.policy import P5_PCI, T0, classifier, collect, gpus, only, policy, xid
+from tests.support.policy import verdict_of, P5_PCI, T0, classifier, collect, gpus, only, policy, xid
 
 REBOOT_154 = "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)"
 
@@ -13,7 +13,7 @@ def test_burst_of_40_xids_is_one_incident_with_a_stable_key():
     keys = set()
     for i in range(40):  # one XID per cycle, 2 s apart: the key must not move
         burst = [xid(94, t=T0 + 2 * i)] if i % 4 == 0 else [xid(45, t=T0 + 2 * i)]
-        verdict = clf.observe(collect(T0 + 2 * i, gpus=gpus(), xids=burst))
+        verdict = verdict_of(clf, collect(T0 + 2 * i, gpus=gpus(), xids=burst))
         keys.add(only(verdict, "GPU_XID").key)
     finding = only(verdict, "GPU_XID")
     assert len(keys) == 1
@@ -31,10 +31,10 @@ def test_burst_of_40_xids_is_one_incident_with_a_stable_key():
 
 def test_silence_longer_than_quiet_starts_a_new_incident():
     clf = classifier(policy(incident_quiet_seconds=180))
-    first = only(clf.observe(collect(T0, gpus=gpus(), xids=[xid(13, t=T0)])), "GPU_XID")
-    same = only(clf.observe(collect(T0 + 170, gpus=gpus(), xids=[xid(13, t=T0 + 170)])), "GPU_XID")
+    first = only(verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(13, t=T0)])), "GPU_XID")
+    same = only(verdict_of(clf, collect(T0 + 170, gpus=gpus(), xids=[xid(13, t=T0 + 170)])), "GPU_XID")
     assert same.key == first.key and same.count == 2
-    verdict = clf.observe(collect(T0 + 400, gpus=gpus(), xids=[xid(13, t=T0 + 400)]))
+    verdict = verdict_of(clf, collect(T0 + 400, gpus=gpus(), xids=[xid(13, t=T0 + 400)]))
     incidents = [f for f in verdict.findings if f.code == "GPU_XID"]
     assert len(incidents) == 2
     assert {f.first_seen for f in incidents} == {T0, T0 + 400}
@@ -43,18 +43,18 @@ def test_silence_longer_than_quiet_starts_a_new_incident():
 
 def test_incidents_are_per_gpu():
     clf = classifier()
-    verdict = clf.observe(collect(T0, gpus=gpus(), xids=[xid(13, index=0), xid(13, index=5)]))
+    verdict = verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(13, index=0), xid(13, index=5)]))
     assert sorted(f.pci_bus_id for f in verdict.findings) == [P5_PCI[0], P5_PCI[5]]
 
 
 def test_most_severe_member_decides_and_application_xid_alone_stays_mild():
     clf = classifier()
-    verdict = clf.observe(collect(T0, gpus=gpus(), xids=[xid(13), xid(31, t=T0 + 1)]))
+    verdict = verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(13), xid(31, t=T0 + 1)]))
     finding = only(verdict, "GPU_XID")
     assert finding.action is Action.RESTART_APP
     assert finding.summary.startswith("the application on GPU 3 (0000:86:00.0) faulted")
     assert verdict.exit_code == 1
-    verdict = clf.observe(collect(T0 + 5, gpus=gpus(), xids=[xid(79, t=T0 + 5),
+    verdict = verdict_of(clf, collect(T0 + 5, gpus=gpus(), xids=[xid(79, t=T0 + 5),
                                                              xid(154, t=T0 + 6, message=REBOOT_154)]))
     finding = only(verdict, "GPU_XID")
     assert finding.xids == (13, 31, 79, 154) and finding.action is Action.REBOOT_NODE
@@ -63,7 +63,7 @@ def test_most_severe_member_decides_and_application_xid_alone_stays_mild():
 def test_xid154_text_raises_the_incident():
     clf = classifier()
     text = "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)"
-    verdict = clf.observe(collect(T0, gpus=gpus(), xids=[xid(13), xid(154, t=T0 + 1, message=text)]))
+    verdict = verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(13), xid(154, t=T0 + 1, message=text)]))
     finding = only(verdict, "GPU_XID")
     assert finding.action is Action.RESET_GPU
     assert "GPU Reset Required" in finding.evidence
@@ -73,11 +73,11 @@ def test_same_xid_from_kmsg_and_nvml_counts_once():
     clf = classifier(policy(xid_dedupe_seconds=10))
     events = [xid(94, t=T0, source="kmsg"), xid(94, t=T0 + 0.5, source="kmsg"),
               xid(94, t=T0 + 3, source="nvml"), xid(94, t=T0 + 3.5, source="nvml")]
-    finding = only(clf.observe(collect(T0 + 4, gpus=gpus(), xids=events)), "GPU_XID")
+    finding = only(verdict_of(clf, collect(T0 + 4, gpus=gpus(), xids=events)), "GPU_XID")
     assert finding.count == 2
     assert "(source: kmsg)" in finding.evidence
     # the NVML copy arriving in the next cycle still pairs with the kernel-log one
-    later = clf.observe(collect(T0 + 8, gpus=gpus(), xids=[xid(94, t=T0 + 6, source="kmsg"),
+    later = verdict_of(clf, collect(T0 + 8, gpus=gpus(), xids=[xid(94, t=T0 + 6, source="kmsg"),
                                                            xid(94, t=T0 + 7, source="nvml")]))
     assert only(later, "GPU_XID").count == 3
 
@@ -86,7 +86,7 @@ def test_nvml_event_without_pci_finds_its_gpu_by_uuid_and_pairs():
     clf = classifier()
     nvml_event = xid(94, index=None, t=T0 + 2, source="nvml")
     nvml_event = nvml_event.__class__(**{**nvml_event.__dict__, "uuid": gpus()[3].uuid, "gpu_index": 3})
-    verdict = clf.observe(collect(T0 + 3, gpus=gpus(), xids=[xid(94, t=T0), nvml_event]))
+    verdict = verdict_of(clf, collect(T0 + 3, gpus=gpus(), xids=[xid(94, t=T0), nvml_event]))
     finding = only(verdict, "GPU_XID")
     assert finding.count == 1 and finding.pci_bus_id == P5_PCI[3]
 
@@ -94,12 +94,12 @@ def test_nvml_event_without_pci_finds_its_gpu_by_uuid_and_pairs():
 def test_repeats_beyond_the_dedupe_window_are_counted():
     clf = classifier(policy(xid_dedupe_seconds=2))
     events = [xid(94, t=T0, source="kmsg"), xid(94, t=T0 + 30, source="nvml")]
-    assert only(clf.observe(collect(T0 + 31, gpus=gpus(), xids=events)), "GPU_XID").count == 2
+    assert only(verdict_of(clf, collect(T0 + 31, gpus=gpus(), xids=events)), "GPU_XID").count == 2
 
 
 def test_xid_without_a_gpu_is_a_node_level_finding():
     clf = classifier()
-    verdict = clf.observe(collect(T0, gpus=gpus(), xids=[xid(48, index=None)]))
+    verdict = verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(48, index=None)]))
     finding = only(verdict, "GPU_XID")
     assert finding.subject == "node" and finding.gpu_index is None
     assert finding.action is Action.RESET_GPU
@@ -107,69 +107,69 @@ def test_xid_without_a_gpu_is_a_node_level_finding():
 
 
 def test_unknown_xid_is_monitor_not_dropped():
-    finding = only(classifier().observe(collect(T0, gpus=gpus(), xids=[xid(4242)])), "GPU_XID")
+    finding = only(verdict_of(classifier(), collect(T0, gpus=gpus(), xids=[xid(4242)])), "GPU_XID")
     assert finding.action is Action.MONITOR and finding.xids == (4242,)
     assert "UNKNOWN_XID_4242" in finding.summary
 
 
 def test_low_class_incident_expires_after_the_window():
     clf = classifier(policy(xid_window_seconds=3600))
-    clf.observe(collect(T0, gpus=gpus(), xids=[xid(13)]))
-    assert clf.observe(collect(T0 + 3500, gpus=gpus(T0 + 3500))).action is Action.RESTART_APP
-    assert clf.observe(collect(T0 + 3601, gpus=gpus(T0 + 3601))).findings == ()
+    verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(13)]))
+    assert verdict_of(clf, collect(T0 + 3500, gpus=gpus(T0 + 3500))).action is Action.RESTART_APP
+    assert verdict_of(clf, collect(T0 + 3601, gpus=gpus(T0 + 3601))).findings == ()
 
 
 def test_old_xid_replayed_by_check_does_not_drive_the_verdict():
-    verdict = classifier().observe(collect(T0 + 5 * 3600, gpus=gpus(), xids=[xid(31, t=T0)]))
+    verdict = verdict_of(classifier(), collect(T0 + 5 * 3600, gpus=gpus(), xids=[xid(31, t=T0)]))
     assert verdict.findings == () and verdict.exit_code == 0
 
 
 def test_reboot_class_stays_until_the_boot_id_changes():
     clf = classifier()
-    clf.observe(collect(T0, gpus=gpus(), xids=[xid(79)], boot_id="boot-1"))
-    later = clf.observe(collect(T0 + 10 * 3600, gpus=gpus(T0 + 10 * 3600), boot_id="boot-1"))
+    verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(79)], boot_id="boot-1"))
+    later = verdict_of(clf, collect(T0 + 10 * 3600, gpus=gpus(T0 + 10 * 3600), boot_id="boot-1"))
     assert later.action is Action.REBOOT_NODE
-    no_boot_id = clf.observe(collect(T0 + 11 * 3600, gpus=gpus(T0 + 11 * 3600), boot_id=""))
+    no_boot_id = verdict_of(clf, collect(T0 + 11 * 3600, gpus=gpus(T0 + 11 * 3600), boot_id=""))
     assert no_boot_id.action is Action.REBOOT_NODE  # `check` has no boot id: not a reboot
-    after = clf.observe(collect(T0 + 12 * 3600, gpus=gpus(T0 + 12 * 3600), boot_id="boot-2"))
+    after = verdict_of(clf, collect(T0 + 12 * 3600, gpus=gpus(T0 + 12 * 3600), boot_id="boot-2"))
     assert after.findings == ()
 
 
 def test_replace_class_survives_reboot_until_clear():
     clf = classifier()
-    clf.observe(collect(T0, gpus=gpus(), xids=[xid(94), xid(79, index=1)], boot_id="boot-1"))
-    verdict = clf.observe(collect(T0 + 86400, gpus=gpus(T0 + 86400), boot_id="boot-2"))
+    verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(94), xid(79, index=1)], boot_id="boot-1"))
+    verdict = verdict_of(clf, collect(T0 + 86400, gpus=gpus(T0 + 86400), boot_id="boot-2"))
     assert [(f.code, f.pci_bus_id, f.action) for f in verdict.findings] == [
         ("GPU_XID", P5_PCI[3], Action.REPLACE_NODE)]
     assert clf.clear(T0 + 86401, "vendor swapped the HBM stack") == 1
-    assert clf.observe(collect(T0 + 86402, gpus=gpus(T0 + 86402), boot_id="boot-2")).findings == ()
-    fresh = clf.observe(collect(T0 + 86403, gpus=gpus(T0 + 86403), xids=[xid(94, t=T0 + 86403)]))
+    assert verdict_of(clf, collect(T0 + 86402, gpus=gpus(T0 + 86402), boot_id="boot-2")).findings == ()
+    fresh = verdict_of(clf, collect(T0 + 86403, gpus=gpus(T0 + 86403), xids=[xid(94, t=T0 + 86403)]))
     assert only(fresh, "GPU_XID").first_seen == T0 + 86403  # a new incident after a clear
 
 
 def test_replace_class_clears_when_the_gpu_is_physically_replaced():
     clf = classifier()
-    clf.observe(collect(T0, gpus=gpus(), xids=[xid(95), xid(13, index=0)]))
+    verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(95), xid(13, index=0)]))
     swapped = gpus(T0 + 60, g3={"uuid": "GPU-new-board"})
-    verdict = clf.observe(collect(T0 + 60, gpus=swapped))
+    verdict = verdict_of(clf, collect(T0 + 60, gpus=swapped))
     assert [(f.pci_bus_id, f.xids) for f in verdict.findings] == [(P5_PCI[0], (13,))]
 
 
 def test_clear_returns_how_many_it_closed_including_replace_class():
     clf = classifier()
-    clf.observe(collect(T0, gpus=gpus(), xids=[xid(94), xid(13, index=0), xid(79, index=1)]))
+    verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(94), xid(13, index=0), xid(79, index=1)]))
     assert clf.clear(T0 + 1, "operator") == 3
     assert clf.clear(T0 + 2, "again") == 0
 
 
 def test_export_restore_mid_incident_keeps_keys_and_counts():
     clf = classifier()
-    clf.observe(collect(T0, gpus=gpus(), xids=[xid(94, t=T0 + i) for i in range(5)]))
-    before = only(clf.observe(collect(T0 + 6, gpus=gpus(T0 + 6))), "GPU_XID")
+    verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(94, t=T0 + i) for i in range(5)]))
+    before = only(verdict_of(clf, collect(T0 + 6, gpus=gpus(T0 + 6))), "GPU_XID")
     state = json.loads(json.dumps(clf.export_state()))
     restored = classifier()
     restored.restore_state(state)
-    verdict = restored.observe(collect(T0 + 20, gpus=gpus(T0 + 20), xids=[xid(94, t=T0 + 19)]))
+    verdict = verdict_of(restored, collect(T0 + 20, gpus=gpus(T0 + 20), xids=[xid(94, t=T0 + 19)]))
     after = only(verdict, "GPU_XID")
     assert after.key == before.key
     assert after.count == 6
@@ -180,16 +180,16 @@ def test_disabled_xid_rule_and_silenced_xid():
     from healthagent.policy.settings import parse_policy
 
     silenced = parse_policy({"xid": {43: "none"}})
-    assert classifier(silenced).observe(collect(T0, gpus=gpus(), xids=[xid(43)])).findings == ()
+    assert verdict_of(classifier(silenced), collect(T0, gpus=gpus(), xids=[xid(43)])).findings == ()
     disabled = parse_policy({"disabled_rules": ["GPU_XID"]})
-    assert classifier(disabled).observe(collect(T0, gpus=gpus(), xids=[xid(94)])).findings == ()
+    assert verdict_of(classifier(disabled), collect(T0, gpus=gpus(), xids=[xid(94)])).findings == ()
 
 
 def test_sxid_incident_uses_its_own_code_and_overrides():
     from healthagent.policy.settings import parse_policy
 
     clf = classifier(parse_policy({"sxid": {12028: "reboot_node"}}))
-    verdict = clf.observe(collect(T0, gpus=gpus(), xids=[xid(12028, kind="sxid", pci="0000:05:00.0"),
+    verdict = verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(12028, kind="sxid", pci="0000:05:00.0"),
                                                          xid(11004, kind="sxid", pci="0000:05:00.0")]))
     finding = only(verdict, "NVSWITCH_SXID")
     assert finding.xids == (11004, 12028) and finding.action is Action.REBOOT_NODE
@@ -199,10 +199,10 @@ def test_sxid_incident_uses_its_own_code_and_overrides():
 
 def test_incidents_per_gpu_are_bounded_mildest_first():
     clf = classifier(policy(max_incidents_per_gpu=3, incident_quiet_seconds=10, xid_window_seconds=10**6))
-    clf.observe(collect(T0, gpus=gpus(), xids=[xid(94, t=T0)]))
+    verdict_of(clf, collect(T0, gpus=gpus(), xids=[xid(94, t=T0)]))
     for i in range(1, 6):
-        clf.observe(collect(T0 + 100 * i, gpus=gpus(T0 + 100 * i), xids=[xid(13, t=T0 + 100 * i)]))
-    verdict = clf.observe(collect(T0 + 1000, gpus=gpus(T0 + 1000)))
+        verdict_of(clf, collect(T0 + 100 * i, gpus=gpus(T0 + 100 * i), xids=[xid(13, t=T0 + 100 * i)]))
+    verdict = verdict_of(clf, collect(T0 + 1000, gpus=gpus(T0 + 1000)))
     kept = sorted((f.first_seen - T0, f.xids) for f in verdict.findings)
     assert kept == [(0.0, (94,)), (400.0, (13,)), (500.0, (13,))]
 
@@ -211,14 +211,12 @@ def test_xid79_from_three_reporters_counts_once():
     clf = classifier()
     events = [xid(79, t=T0, source="kmsg"), xid(79, t=T0, source="kmsg", kind="fallen_off_bus"),
               xid(79, t=T0 + 2, source="nvml")]
-    finding = only(clf.observe(collect(T0 + 3, gpus=gpus(), xids=events)), "GPU_XID")
+    finding = only(verdict_of(clf, collect(T0 + 3, gpus=gpus(), xids=events)), "GPU_XID")
     assert (finding.xids, finding.count, finding.action) == ((79,), 1, Action.REBOOT_NODE)
 
 
 def test_counted_xids_leave_out_the_second_reporter():
     clf = classifier()
     kmsg, nvml = xid(94, t=T0, source="kmsg"), xid(94, t=T0 + 1, source="nvml")
-    clf.observe(collect(T0 + 2, gpus=gpus(), xids=[kmsg, nvml]))
-    assert clf.counted_xids == (kmsg,)
-    clf.observe(collect(T0 + 3, gpus=gpus()))
-    assert clf.counted_xids == ()
+    assert clf.observe(collect(T0 + 2, gpus=gpus(), xids=[kmsg, nvml])).counted_xids == (kmsg,)
+    assert clf.observe(collect(T0 + 3, gpus=gpus())).counted_xids == ()

@@ -11,7 +11,7 @@ from healthagent.model import (Action, Collection, EccCounts, EfaSample, GpuSamp
 from healthagent.policy.catalog import load_catalog
 from healthagent.policy.classify import classify_event
 from healthagent.policy.settings import Policy
-from tests.support.policy import P5_PCI, T0, classifier
+from tests.support.policy import verdict_of, P5_PCI, T0, classifier
 
 PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -115,7 +115,7 @@ def test_random_kernel_log_text_through_the_kmsg_parser(text):
         assert row["action"] in {a.value for a in Action}
         json.dumps(row)
     clf = classifier()
-    check_sane(clf, clf.observe(Collection(timestamp=T0, xids=tuple(events))))
+    check_sane(clf, verdict_of(clf, Collection(timestamp=T0, xids=tuple(events))))
 
 
 @PROPERTY
@@ -125,7 +125,7 @@ def test_random_xid_events(events):
     for event in events:
         classify_event(event, catalog)
     clf = classifier()
-    check_sane(clf, clf.observe(Collection(timestamp=T0 + 100, xids=tuple(events))))
+    check_sane(clf, verdict_of(clf, Collection(timestamp=T0 + 100, xids=tuple(events))))
 
 
 @PROPERTY
@@ -133,14 +133,14 @@ def test_random_xid_events(events):
 def test_random_counter_sequences(sequence):
     clf = classifier()
     for collection in sequence:
-        verdict = clf.observe(collection)
+        verdict = verdict_of(clf, collection)
         check_sane(clf, verdict)
     restored = classifier()
     restored.restore_state(json.loads(json.dumps(clf.export_state())))
     assert restored.restore_errors == 0
     assert restored.export_state() == clf.export_state()
     clf.clear(T0, "property test")
-    check_sane(clf, clf.observe(sequence[-1]))
+    check_sane(clf, verdict_of(clf, sequence[-1]))
 
 
 json_values = st.recursive(
@@ -157,4 +157,4 @@ json_values = st.recursive(
 def test_random_saved_state_never_raises(garbage):
     clf = classifier()
     clf.restore_state(garbage)
-    check_sane(clf, clf.observe(Collection(timestamp=T0, xids=(XidEvent(94, P5_PCI[3], "m", "l", T0),))))
+    check_sane(clf, verdict_of(clf, Collection(timestamp=T0, xids=(XidEvent(94, P5_PCI[3], "m", "l", T0),))))

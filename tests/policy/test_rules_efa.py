@@ -3,7 +3,7 @@
 import pytest
 
 from healthagent.model import Action, SourceHealth
-from tests.support.policy import T0, classifier, collect, efa, only, policy
+from tests.support.policy import verdict_of, T0, classifier, collect, efa, only, policy
 
 DEVICES = [f"rdmap{79 + i}s0" for i in range(4)]
 
@@ -13,7 +13,7 @@ def fleet(t, skip=(), **counters):
 
 
 def test_fewer_devices_than_expected():
-    verdict = classifier().observe(collect(T0, efa=fleet(T0, skip=DEVICES[:1]), expected_efa_devices=4))
+    verdict = verdict_of(classifier(), collect(T0, efa=fleet(T0, skip=DEVICES[:1]), expected_efa_devices=4))
     finding = only(verdict, "EFA_DEVICE_MISSING")
     assert finding.action is Action.REBOOT_NODE
     assert finding.evidence == "3 EFA devices read, expected 4"
@@ -21,40 +21,40 @@ def test_fewer_devices_than_expected():
 
 def test_a_device_that_vanished_is_named_and_survives_until_reboot():
     clf = classifier()
-    clf.observe(collect(T0, efa=fleet(T0), boot_id="b1"))
-    gone = only(clf.observe(collect(T0 + 10, efa=fleet(T0 + 10, skip=[DEVICES[2]]), boot_id="b1")),
+    verdict_of(clf, collect(T0, efa=fleet(T0), boot_id="b1"))
+    gone = only(verdict_of(clf, collect(T0 + 10, efa=fleet(T0 + 10, skip=[DEVICES[2]]), boot_id="b1")),
                 "EFA_DEVICE_MISSING")
     assert "not seen any more: rdmap81s0" in gone.evidence
-    back = clf.observe(collect(T0 + 20, efa=fleet(T0 + 20), boot_id="b1"))
+    back = verdict_of(clf, collect(T0 + 20, efa=fleet(T0 + 20), boot_id="b1"))
     assert only(back, "EFA_DEVICE_MISSING").action is Action.REBOOT_NODE
-    assert clf.observe(collect(T0 + 900, efa=fleet(T0 + 900), boot_id="b2")).findings == ()
+    assert verdict_of(clf, collect(T0 + 900, efa=fleet(T0 + 900), boot_id="b2")).findings == ()
 
 
 def test_port_state_is_not_a_signal():
     down_looking = [s.__class__(**{**s.__dict__, "port_state": "1: DOWN"}) for s in fleet(T0)]
-    assert classifier().observe(collect(T0, efa=down_looking, expected_efa_devices=4)).findings == ()
+    assert verdict_of(classifier(), collect(T0, efa=down_looking, expected_efa_devices=4)).findings == ()
 
 
 def test_driver_gone_is_missing_but_an_unreadable_sysfs_is_not():
     gone = SourceHealth(source="efa", up=True, detail="no sys/class/infiniband (no RDMA devices on this host)")
-    finding = only(classifier().observe(collect(T0, health=[gone], expected_efa_devices=32)), "EFA_DEVICE_MISSING")
+    finding = only(verdict_of(classifier(), collect(T0, health=[gone], expected_efa_devices=32)), "EFA_DEVICE_MISSING")
     assert finding.evidence == "0 EFA devices read, expected 32"
     unreadable = SourceHealth(source="efa", up=False, detail="cannot read sys/class/infiniband")
     clf = classifier()
-    clf.observe(collect(T0, efa=fleet(T0), health=[SourceHealth(source="efa", up=True)]))
-    assert clf.observe(collect(T0 + 10, health=[unreadable], expected_efa_devices=4)).findings == ()
-    assert classifier().observe(collect(T0, expected_efa_devices=32)).findings == ()  # no EFA source at all
+    verdict_of(clf, collect(T0, efa=fleet(T0), health=[SourceHealth(source="efa", up=True)]))
+    assert verdict_of(clf, collect(T0 + 10, health=[unreadable], expected_efa_devices=4)).findings == ()
+    assert verdict_of(classifier(), collect(T0, expected_efa_devices=32)).findings == ()  # no EFA source at all
 
 
 def test_admin_queue_stuck_is_reboot_class():
     clf = classifier()
-    clf.observe(collect(T0, efa=fleet(T0, no_completion_cmds=0)))
-    verdict = clf.observe(collect(T0 + 10, efa=[efa(DEVICES[0], T0 + 10, no_completion_cmds=1)]
+    verdict_of(clf, collect(T0, efa=fleet(T0, no_completion_cmds=0)))
+    verdict = verdict_of(clf, collect(T0 + 10, efa=[efa(DEVICES[0], T0 + 10, no_completion_cmds=1)]
                                   + fleet(T0 + 10, skip=DEVICES[:1], no_completion_cmds=0)))
     finding = only(verdict, "EFA_ADMIN_QUEUE_STUCK")
     assert (finding.efa_device, finding.action, finding.evidence) == (
         DEVICES[0], Action.REBOOT_NODE, "no_completion_cmds 0 -> 1")
-    later = clf.observe(collect(T0 + 7200, efa=[efa(DEVICES[0], T0 + 7200, no_completion_cmds=1)]
+    later = verdict_of(clf, collect(T0 + 7200, efa=[efa(DEVICES[0], T0 + 7200, no_completion_cmds=1)]
                                 + fleet(T0 + 7200, skip=DEVICES[:1], no_completion_cmds=0)))
     assert only(later, "EFA_ADMIN_QUEUE_STUCK").subject == DEVICES[0]
 
@@ -71,7 +71,7 @@ def test_admin_queue_stuck_is_reboot_class():
 def test_error_rates_over_100_a_minute(counter, code):
     clf = classifier()
     steps = [0, 60, 100, 250]  # +60 and +40 are tolerated, +150 in a minute is not
-    verdicts = [clf.observe(collect(T0 + 30 * i, efa=[efa("rdmap79s0", T0 + 30 * i, **{counter: v})]))
+    verdicts = [verdict_of(clf, collect(T0 + 30 * i, efa=[efa("rdmap79s0", T0 + 30 * i, **{counter: v})]))
                 for i, v in enumerate(steps)]
     assert [v.findings for v in verdicts[:3]] == [(), (), ()]
     finding = only(verdicts[3], code)
@@ -83,10 +83,10 @@ def test_error_rates_over_100_a_minute(counter, code):
 def test_counter_reset_and_unsupported_counters():
     clf = classifier()
     values = [5000, 5100, 10, 20]  # a driver reload between the 2nd and 3rd reading
-    verdicts = [clf.observe(collect(T0 + 30 * i, efa=[efa("rdmap79s0", T0 + 30 * i, rx_drops=v)]))
+    verdicts = [verdict_of(clf, collect(T0 + 30 * i, efa=[efa("rdmap79s0", T0 + 30 * i, rx_drops=v)]))
                 for i, v in enumerate(values)]
     assert all(v.findings == () for v in verdicts)
-    bare = [clf.observe(collect(T0 + 200 + i, efa=[efa("rdmap79s0", T0 + 200 + i), efa("rdmap80s0", T0 + 200 + i)]))
+    bare = [verdict_of(clf, collect(T0 + 200 + i, efa=[efa("rdmap79s0", T0 + 200 + i), efa("rdmap80s0", T0 + 200 + i)]))
             for i in range(3)]
     assert all(v.findings == () for v in bare)
 
@@ -96,11 +96,11 @@ def test_rate_finding_clears_after_a_quiet_period_and_flapping_keeps_it():
     value, actions = 0, []
     for i in range(20):  # a burst every other minute for 20 minutes
         value += 500 if i % 2 == 0 else 0
-        verdict = clf.observe(collect(T0 + 60 * i, efa=[efa("rdmap79s0", T0 + 60 * i, rx_drops=value)]))
+        verdict = verdict_of(clf, collect(T0 + 60 * i, efa=[efa("rdmap79s0", T0 + 60 * i, rx_drops=value)]))
         actions.append(verdict.action)
     assert actions[0] is Action.NONE and set(actions[2:]) == {Action.MONITOR}
     for i in range(20, 30):
-        verdict = clf.observe(collect(T0 + 60 * i, efa=[efa("rdmap79s0", T0 + 60 * i, rx_drops=value)]))
+        verdict = verdict_of(clf, collect(T0 + 60 * i, efa=[efa("rdmap79s0", T0 + 60 * i, rx_drops=value)]))
         actions.append(verdict.action)
     assert actions[-1] is Action.NONE
     assert actions[20:24] == [Action.MONITOR] * 4

@@ -2,7 +2,7 @@
 unsupported (None) values, flapping, and the persistence of each class."""
 
 from healthagent.model import Action, EccCounts, RemapState, RetiredPages, SourceHealth
-from tests.support.policy import P5_PCI, T0, classifier, collect, gpu, gpus, only, policy
+from tests.support.policy import verdict_of, P5_PCI, T0, classifier, collect, gpu, gpus, only, policy
 
 DAY = 86400.0
 
@@ -12,7 +12,7 @@ def run(clf, samples, step=30.0, **kw):
     verdicts = []
     for i, fields in enumerate(samples):
         t = T0 + i * step
-        verdicts.append(clf.observe(collect(t, gpus=[gpu(3, t, **fields)], **kw)))
+        verdicts.append(verdict_of(clf, collect(t, gpus=[gpu(3, t, **fields)], **kw)))
     return verdicts
 
 
@@ -49,8 +49,8 @@ def test_counter_reset_is_not_a_fault_and_none_is_never_a_finding():
 def test_dbe_finding_expires_after_the_counter_window_without_growth():
     clf = classifier(policy(counter_window_seconds=600))
     run(clf, [ecc(0), ecc(1)])
-    assert clf.observe(collect(T0 + 600, gpus=[gpu(3, T0 + 600, **ecc(1))])).action is Action.RESET_GPU
-    assert clf.observe(collect(T0 + 700, gpus=[gpu(3, T0 + 700, **ecc(1))])).findings == ()
+    assert verdict_of(clf, collect(T0 + 600, gpus=[gpu(3, T0 + 600, **ecc(1))])).action is Action.RESET_GPU
+    assert verdict_of(clf, collect(T0 + 700, gpus=[gpu(3, T0 + 700, **ecc(1))])).findings == ()
 
 
 def test_sbe_storm_needs_a_high_and_accelerating_rate():
@@ -94,10 +94,10 @@ def test_stale_samples_do_not_count_as_evaluations():
     run(clf, [{"remap": RemapState(0, 1, True, False)}])
     healed = gpu(3, T0 + 30, remap=RemapState(0, 1, False, False))
     for i in range(5):  # kernel-log wake-ups re-run policy with the same sample
-        verdict = clf.observe(collect(T0 + 30 + i, gpus=[healed]))
+        verdict = verdict_of(clf, collect(T0 + 30 + i, gpus=[healed]))
     assert verdict.action is Action.RESET_GPU
     for i in range(2):
-        verdict = clf.observe(collect(T0 + 60 + 30 * i, gpus=[gpu(3, T0 + 60 + 30 * i, remap=RemapState(0, 1, False, False))]))
+        verdict = verdict_of(clf, collect(T0 + 60 + 30 * i, gpus=[gpu(3, T0 + 60 + 30 * i, remap=RemapState(0, 1, False, False))]))
     assert verdict.findings == ()
 
 
@@ -108,9 +108,9 @@ def test_remap_failure_is_replace_and_stays_quiet_after_clear_until_it_changes()
     assert {v.action for v in verdicts} == {Action.REPLACE_NODE}  # sticky
     assert only(verdicts[-1], "GPU_ROW_REMAP_FAILURE").pci_bus_id == P5_PCI[3]
     assert clf.clear(T0 + 200, "RMA filed") == 1
-    assert clf.observe(collect(T0 + 210, gpus=[gpu(3, T0 + 210, **failed)])).findings == ()
-    clf.observe(collect(T0 + 220, gpus=[gpu(3, T0 + 220, **fine)]))
-    again = clf.observe(collect(T0 + 230, gpus=[gpu(3, T0 + 230, **failed)]))
+    assert verdict_of(clf, collect(T0 + 210, gpus=[gpu(3, T0 + 210, **failed)])).findings == ()
+    verdict_of(clf, collect(T0 + 220, gpus=[gpu(3, T0 + 220, **fine)]))
+    again = verdict_of(clf, collect(T0 + 230, gpus=[gpu(3, T0 + 230, **failed)]))
     assert only(again, "GPU_ROW_REMAP_FAILURE").action is Action.REPLACE_NODE
 
 
@@ -127,11 +127,11 @@ def test_retired_pages_total_limit():
 def test_retired_dbe_pages_past_soft_limit_that_keep_growing():
     clf = classifier()
     assert run(clf, [{"retired_pages": RetiredPages(0, 16, False)}])[0].findings == ()
-    later = clf.observe(collect(T0 + DAY, gpus=[gpu(3, T0 + DAY, retired_pages=RetiredPages(0, 18, False))]))
+    later = verdict_of(clf, collect(T0 + DAY, gpus=[gpu(3, T0 + DAY, retired_pages=RetiredPages(0, 18, False))]))
     assert only(later, "GPU_RETIRED_PAGES").action is Action.REPLACE_NODE
     slow = classifier()
     run(slow, [{"retired_pages": RetiredPages(0, 16, False)}])
-    month = slow.observe(collect(T0 + 30 * DAY, gpus=[gpu(3, T0 + 30 * DAY, retired_pages=RetiredPages(0, 17, False))]))
+    month = verdict_of(slow, collect(T0 + 30 * DAY, gpus=[gpu(3, T0 + 30 * DAY, retired_pages=RetiredPages(0, 17, False))]))
     assert month.findings == ()
 
 
@@ -144,11 +144,11 @@ def test_retired_pages_pending():
 
 def test_lost_gpu_is_reboot_class_and_escalates_when_it_survives_a_reboot():
     clf = classifier()
-    verdict = clf.observe(collect(T0, gpus=gpus(g3={"lost": True}), boot_id="b1"))
+    verdict = verdict_of(clf, collect(T0, gpus=gpus(g3={"lost": True}), boot_id="b1"))
     assert only(verdict, "GPU_LOST").action is Action.REBOOT_NODE
-    back = clf.observe(collect(T0 + 60, gpus=gpus(T0 + 60), boot_id="b1"))
+    back = verdict_of(clf, collect(T0 + 60, gpus=gpus(T0 + 60), boot_id="b1"))
     assert only(back, "GPU_LOST").action is Action.REBOOT_NODE  # stays until the reboot
-    again = clf.observe(collect(T0 + 600, gpus=gpus(T0 + 600, g3={"lost": True}), boot_id="b2"))
+    again = verdict_of(clf, collect(T0 + 600, gpus=gpus(T0 + 600, g3={"lost": True}), boot_id="b2"))
     escalated = only(again, "GPU_LOST")
     assert escalated.action is Action.REPLACE_NODE
     assert "came back after a reboot" in escalated.summary
@@ -156,14 +156,14 @@ def test_lost_gpu_is_reboot_class_and_escalates_when_it_survives_a_reboot():
 
 def test_lost_gpu_cleared_by_a_reboot_that_fixed_it():
     clf = classifier()
-    clf.observe(collect(T0, gpus=gpus(g3={"lost": True}), boot_id="b1"))
-    assert clf.observe(collect(T0 + 600, gpus=gpus(T0 + 600), boot_id="b2")).findings == ()
-    later = clf.observe(collect(T0 + 900, gpus=gpus(T0 + 900, g3={"lost": True}), boot_id="b2"))
+    verdict_of(clf, collect(T0, gpus=gpus(g3={"lost": True}), boot_id="b1"))
+    assert verdict_of(clf, collect(T0 + 600, gpus=gpus(T0 + 600), boot_id="b2")).findings == ()
+    later = verdict_of(clf, collect(T0 + 900, gpus=gpus(T0 + 900, g3={"lost": True}), boot_id="b2"))
     assert only(later, "GPU_LOST").action is Action.REBOOT_NODE  # not escalated: the reboot had passed
 
 
 def test_fewer_gpus_than_expected():
-    verdict = classifier().observe(collect(T0, gpus=gpus(count=7), expected_gpus=8))
+    verdict = verdict_of(classifier(), collect(T0, gpus=gpus(count=7), expected_gpus=8))
     finding = only(verdict, "GPU_MISSING")
     assert finding.action is Action.REBOOT_NODE and finding.subject == "node"
     assert finding.evidence == "7 GPUs read, expected 8"
@@ -171,18 +171,18 @@ def test_fewer_gpus_than_expected():
 
 def test_a_gpu_that_vanished_is_named():
     clf = classifier()
-    clf.observe(collect(T0, gpus=gpus()))
+    verdict_of(clf, collect(T0, gpus=gpus()))
     present = [g for g in gpus(T0 + 30) if g.index != 5]
-    finding = only(clf.observe(collect(T0 + 30, gpus=present)), "GPU_MISSING")
+    finding = only(verdict_of(clf, collect(T0 + 30, gpus=present)), "GPU_MISSING")
     assert "not seen any more: GPU 5 (0000:a8:00.0)" in finding.evidence
 
 
 def test_no_gpu_source_is_not_missing_gpus():
     down = SourceHealth(source="nvml", up=False, detail="libnvidia-ml.so.1 not found")
-    assert classifier().observe(collect(T0, expected_gpus=8, health=[down])).findings == ()
-    assert classifier().observe(collect(T0, expected_gpus=8)).findings == ()
+    assert verdict_of(classifier(), collect(T0, expected_gpus=8, health=[down])).findings == ()
+    assert verdict_of(classifier(), collect(T0, expected_gpus=8)).findings == ()
     up = SourceHealth(source="nvml", up=True)
-    assert only(classifier().observe(collect(T0, expected_gpus=8, health=[up])), "GPU_MISSING")
+    assert only(verdict_of(classifier(), collect(T0, expected_gpus=8, health=[up])), "GPU_MISSING")
 
 
 # -- NVLink, PCIe, throttling -----------------------------------------------------------------------
@@ -245,19 +245,19 @@ def test_lost_gpu_numbers_are_not_judged():
 
 def test_clock_stepping_back_is_neither_a_reset_nor_a_fault():
     clf = classifier()
-    clf.observe(collect(T0, gpus=[gpu(3, T0, **ecc(2))]))  # reported on first sight
+    verdict_of(clf, collect(T0, gpus=[gpu(3, T0, **ecc(2))]))  # reported on first sight
     clf.clear(T0 + 1, "seen")
-    back = clf.observe(collect(T0 - 500, gpus=[gpu(3, T0 - 500, **ecc(2))]))
+    back = verdict_of(clf, collect(T0 - 500, gpus=[gpu(3, T0 - 500, **ecc(2))]))
     assert back.findings == ()
-    grew = clf.observe(collect(T0 - 470, gpus=[gpu(3, T0 - 470, **ecc(3))]))
+    grew = verdict_of(clf, collect(T0 - 470, gpus=[gpu(3, T0 - 470, **ecc(3))]))
     assert only(grew, "GPU_ECC_DBE").evidence == "volatile DBE 2 -> 3 in 30 s"
 
 
 def test_escalated_finding_keeps_its_words_while_the_fault_lasts():
     clf = classifier()
-    clf.observe(collect(T0, gpus=gpus(g3={"lost": True}), boot_id="b1"))
+    verdict_of(clf, collect(T0, gpus=gpus(g3={"lost": True}), boot_id="b1"))
     for i in range(3):
         t = T0 + 600 + 30 * i
-        verdict = clf.observe(collect(t, gpus=gpus(t, g3={"lost": True}), boot_id="b2"))
+        verdict = verdict_of(clf, collect(t, gpus=gpus(t, g3={"lost": True}), boot_id="b2"))
     finding = only(verdict, "GPU_LOST")
     assert finding.action is Action.REPLACE_NODE and "came back after a reboot" in finding.summary

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.formats import (
     KmsgHeader,
     decode_text,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.device_reader import KmsgDeviceReader
 from healthagent.sources.kernel_log.file_reader import KernelLogFileReader

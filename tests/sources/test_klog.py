@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.klogctl import (
     READ_BUFFER_FACTOR,

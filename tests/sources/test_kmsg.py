@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from healthagent.model import FALLEN_OFF_BUS_XID, canonical_pci_bus_id
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.boot import read_boot_time
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.offline import iter_events

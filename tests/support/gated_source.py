@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 
 from healthagent.model import SourceHealth
-from healthagent.sources.base import ErrorTally, SourceResult
+from healthagent.common import ErrorTally
+from healthagent.sources.base import SourceResult
 
 LONG = 60.0  # a bound on a hang, never a measurement
 

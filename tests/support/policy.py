@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-from healthagent.model import Collection, EccCounts, EfaSample, GpuSample, SourceHealth, XidEvent
+from healthagent.model import Collection, EccCounts, EfaSample, GpuSample, SourceHealth, Verdict, XidEvent
 from healthagent.policy.catalog import load_catalog
 from healthagent.policy.classify import Classifier
 from healthagent.policy.settings import Policy, parse_policy
@@ -22,6 +22,11 @@ T0 = 1_714_557_072.0  # 2024-05-01 09:51:12 UTC
 
 def policy(**thresholds: float) -> Policy:
     return parse_policy({"thresholds": thresholds}) if thresholds else Policy()
+
+
+def verdict_of(clf: Classifier, collection: Collection) -> Verdict:
+    """The verdict of one observation (what most policy tests look at)."""
+    return clf.observe(collection).verdict
 
 
 def classifier(pol: Policy | None = None) -> Classifier:

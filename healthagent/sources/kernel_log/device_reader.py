@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections import deque
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.formats import kmsg_header
 from healthagent.sources.kernel_log.parser import PARSER_CONTEXT_LINES, SOURCE_NAME, LogChunk

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.formats import decode_text, kmsg_header
 from healthagent.sources.kernel_log.parser import SOURCE_NAME, LogChunk

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 
 # A syslog stamp up to this far ahead of ``now`` is clock skew, not last year's line.
 FUTURE_SKEW_SECONDS = 86_400.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 from healthagent.model import XidEvent
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.boot import read_boot_time
 from healthagent.sources.kernel_log.parser import SOURCE_NAME, XidLineParser
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
 
 from healthagent.model import FALLEN_OFF_BUS_XID, XidEvent, canonical_pci_bus_id
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.formats import (
     is_kmsg_dictionary_line,
     kmsg_header,
@@ -121,41 +121,40 @@ class XidLineParser:
                     yield event
 
     def parse(self, line: str, previous: tuple[str, str] = ("", "")) -> XidEvent | None:
-        """The event one candidate line reports, or None."""
+        """The event one candidate line reports, or None. A parser bug costs one line (counted),
+        never the agent."""
         if len(line) > MAX_PARSED_CHARS:
             self.tally.count("oversized", f"a {len(line)}-character line was cut to {MAX_PARSED_CHARS} "
                                           f"before parsing: {line[:120]!r}")
             line = line[:MAX_PARSED_CHARS]
+        raw = line.rstrip("\r\n")
         try:
-            return self._parse(line.rstrip("\r\n"), previous)
-        except Exception as exc:  # a parser bug must cost one line, never the agent
+            head = kmsg_header(raw)
+            if head is not None:
+                seq: int | None = head.seq
+                timestamp: float | None = self.boot_time + head.usec / 1e6
+                message = raw[head.end:]
+                if "\\x" in message:
+                    message = unescape_kmsg(message)
+            else:
+                if is_kmsg_dictionary_line(raw):
+                    return None  # a /dev/kmsg dictionary line, never a report
+                prefix = text_prefix(raw)
+                if prefix.group("pid") and prefix.group("tag") != "kernel":
+                    return None  # a user-space program's syslog line quoting an XID, not the driver
+                seq = None
+                message = raw[prefix.end():]
+                if "#012" in message:  # rsyslog's escape of an embedded newline
+                    message = message.replace("#012", "\n")
+                timestamp = self._timestamp(prefix, raw)
+            event = None
+            if "Xid" in message:
+                event = self._xid_event(raw, message, timestamp, seq)
+            if event is None and "fallen off" in message and ("NVRM" in message or "GPU" in message):
+                event = self._fallen_off_event(raw, message, timestamp, seq, previous)
+        except Exception as exc:
             self.tally.count("parse", f"parser error={exc!r} line={line[:300]!r}")
             return None
-
-    def _parse(self, raw: str, previous: tuple[str, str]) -> XidEvent | None:
-        head = kmsg_header(raw)
-        if head is not None:
-            seq: int | None = head.seq
-            timestamp: float | None = self.boot_time + head.usec / 1e6
-            message = raw[head.end:]
-            if "\\x" in message:
-                message = unescape_kmsg(message)
-        else:
-            if is_kmsg_dictionary_line(raw):
-                return None  # a /dev/kmsg dictionary line, never a report
-            prefix = text_prefix(raw)
-            if prefix.group("pid") and prefix.group("tag") != "kernel":
-                return None  # a user-space program's syslog line quoting an XID, not the driver
-            seq = None
-            message = raw[prefix.end():]
-            if "#012" in message:  # rsyslog's escape of an embedded newline
-                message = message.replace("#012", "\n")
-            timestamp = self._timestamp(prefix, raw)
-        event = None
-        if "Xid" in message:
-            event = self._xid_event(raw, message, timestamp, seq)
-        if event is None and "fallen off" in message and ("NVRM" in message or "GPU" in message):
-            event = self._fallen_off_event(raw, message, timestamp, seq, previous)
         if (event is not None and seq is None and self.earlier_boot_before is not None
                 and event.timestamp < self.earlier_boot_before):
             event = replace(event, previous_boot=True)  # a kmsg record (seq) is always this boot's

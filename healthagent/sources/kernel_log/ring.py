@@ -15,7 +15,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 
 # Without timestamps a line is recognised by its content, so the anchor is this many lines.
 TAIL_LINES = 8

@@ -10,7 +10,7 @@ decoded and parsed.
 
 from __future__ import annotations
 
-from healthagent.sources.base import ErrorTally
+from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.formats import decode_text
 from healthagent.sources.kernel_log.klogctl import KernelLog

@@ -25,7 +25,8 @@ import os
 import stat
 
 from healthagent.model import SourceHealth, XidEvent
-from healthagent.sources.base import ErrorTally, SourceResult, host_path, read_boot_id
+from healthagent.common import ErrorTally
+from healthagent.sources.base import SourceResult, host_path, read_boot_id
 from healthagent.sources.kernel_log.boot import BOOT_TIME_SLACK_SECONDS, read_known_boot_time
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.device_reader import KmsgDeviceReader
