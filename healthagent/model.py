@@ -311,6 +311,27 @@ class XidCount:
     kind: str = "xid"
 
 
+# Clock-event ("throttle") reason bits by the names the metrics and policy use. The bits are
+# NVML's nvmlClocksThrottleReason* values, which DCGM's throttle-reasons field carries too
+# (tests/sources/test_nvml.py checks them against the bindings).
+THROTTLE_REASONS: tuple[tuple[str, int], ...] = (
+    ("gpu_idle", 0x1),
+    ("applications_clocks_setting", 0x2),
+    ("sw_power_cap", 0x4),
+    ("hw_slowdown", 0x8),
+    ("sync_boost", 0x10),
+    ("sw_thermal_slowdown", 0x20),
+    ("hw_thermal_slowdown", 0x40),
+    ("hw_power_brake_slowdown", 0x80),
+    ("display_clock_setting", 0x100),
+)
+KNOWN_THROTTLE_REASONS: tuple[str, ...] = tuple(name for name, _ in THROTTLE_REASONS)
+
+# EFA hw_counters files that are not counters (``lifespan`` is a cache setting in ms): read, never
+# exported as a counter.
+EFA_NOT_COUNTERS = frozenset({"lifespan"})
+
+
 # Kubernetes error kinds (the effects' and the node watch's tallies) that describe the API
 # server's condition, not a fault of the agent or its setup: unreachable or overloaded, the node
 # gone, another writer winning every retry, a watch window that moved on. They are exported as

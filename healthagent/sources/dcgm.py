@@ -45,11 +45,10 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
-from healthagent.model import EccCounts, GpuSample, RemapState, RetiredPages, SourceHealth, XidEvent
+from healthagent.model import THROTTLE_REASONS, EccCounts, GpuSample, RemapState, RetiredPages, SourceHealth, XidEvent
 from healthagent.model import canonical_pci_bus_id
 from healthagent.common import ErrorTally
 from healthagent.sources.base import SourceResult
-from healthagent.sources.nvml import THROTTLE_REASONS
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 CHUNK_BYTES = 64 * 1024

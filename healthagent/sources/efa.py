@@ -47,7 +47,7 @@ import stat
 from dataclasses import dataclass
 from typing import Callable
 
-from healthagent.model import EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
+from healthagent.model import EFA_NOT_COUNTERS, EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
 from healthagent.common import ErrorTally
 from healthagent.sources.base import SourceResult, host_path
 
@@ -57,7 +57,6 @@ CLASS_DIR = "/sys/class/infiniband"
 EFA_VENDOR_ID = 0x1D0F
 EFA_DEVICE_ID_PREFIX = "0xefa"
 EFA_DRIVER = "efa"
-NOT_A_COUNTER = frozenset({"lifespan"})
 MAX_COUNTER_VALUE = 2**64 - 1
 # Enough for any u64 in decimal plus a newline, with room for whitespace the driver never adds.
 READ_LIMIT = 64
@@ -374,7 +373,7 @@ class EfaSource:
             listing = tuple((name, os.path.join(directory, name)) for name in entries)
         counters: dict[str, int] = {}
         for name, path in listing:
-            if name in NOT_A_COUNTER:
+            if name in EFA_NOT_COUNTERS:
                 continue
             if not _COUNTER_NAME.match(name):
                 count("parse", f"device={device.name} file={path!r} is not a counter name")

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import pynvml
 
 from healthagent.model import (
+    THROTTLE_REASONS,
     EccCounts,
     GpuSample,
     RemapState,
@@ -58,20 +59,6 @@ log = logging.getLogger(__name__)
 INIT_RETRY_SECONDS = 60.0
 CLOSE_JOIN_SECONDS = 5.0
 MAX_REMEMBERED_GPUS = 256
-
-# Clock-event ("throttle") reason bits by the names the metrics and policy use.
-THROTTLE_REASONS: tuple[tuple[str, int], ...] = (
-    ("gpu_idle", pynvml.nvmlClocksThrottleReasonGpuIdle),
-    ("applications_clocks_setting", pynvml.nvmlClocksThrottleReasonApplicationsClocksSetting),
-    ("sw_power_cap", pynvml.nvmlClocksThrottleReasonSwPowerCap),
-    ("hw_slowdown", pynvml.nvmlClocksThrottleReasonHwSlowdown),
-    ("sync_boost", pynvml.nvmlClocksThrottleReasonSyncBoost),
-    ("sw_thermal_slowdown", pynvml.nvmlClocksThrottleReasonSwThermalSlowdown),
-    ("hw_thermal_slowdown", pynvml.nvmlClocksThrottleReasonHwThermalSlowdown),
-    ("hw_power_brake_slowdown", pynvml.nvmlClocksThrottleReasonHwPowerBrakeSlowdown),
-    ("display_clock_setting", pynvml.nvmlClocksThrottleReasonDisplayClockSetting),
-)
-KNOWN_THROTTLE_REASONS: tuple[str, ...] = tuple(name for name, _ in THROTTLE_REASONS)
 
 NVLINK_COUNTERS: tuple[tuple[str, int], ...] = (
     ("replay", pynvml.NVML_NVLINK_ERROR_DL_REPLAY),

@@ -26,9 +26,15 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from healthagent.model import API_CONDITION_KINDS, Action, AgentSnapshot, EfaSample, GpuSample
-from healthagent.sources.efa import NOT_A_COUNTER
-from healthagent.sources.nvml import KNOWN_THROTTLE_REASONS
+from healthagent.model import (
+    API_CONDITION_KINDS,
+    EFA_NOT_COUNTERS,
+    KNOWN_THROTTLE_REASONS,
+    Action,
+    AgentSnapshot,
+    EfaSample,
+    GpuSample,
+)
 from healthagent.telemetry import spec as names
 
 # 1 ms (a kernel-log read) .. 5 s (a dcgm-exporter scrape at its timeout), roughly x2.5 steps.
@@ -296,7 +302,7 @@ def efa_family_name(counter: str) -> str | None:
     base = _UNSAFE.sub("_", counter.strip().lower()).strip("_")
     if base.endswith("_total"):
         base = base[: -len("_total")]
-    if not base or base in NOT_A_COUNTER:
+    if not base or base in EFA_NOT_COUNTERS:
         return None
     return f"{names.PREFIX}efa_{base}_total"
 

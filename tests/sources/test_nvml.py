@@ -349,3 +349,19 @@ def test_malformed_scenario_keeps_the_last_good_one(lib, scenario, garbage):
     assert stats["rejects"] == 1
     assert "rejected scenario" in stats["last_error"] and "keeping the previous one" in stats["last_error"]
     assert _gpu(after, 0)["temperature_c"] == 55.0  # the next good file is picked up again
+
+
+def test_the_throttle_reason_bits_are_nvmls():
+    """The shared table (model.THROTTLE_REASONS, used by the NVML and dcgm sources) holds NVML's
+    own nvmlClocksThrottleReason* values."""
+    import pynvml
+
+    from healthagent.model import THROTTLE_REASONS
+
+    names = {"gpu_idle": "GpuIdle", "applications_clocks_setting": "ApplicationsClocksSetting",
+             "sw_power_cap": "SwPowerCap", "hw_slowdown": "HwSlowdown", "sync_boost": "SyncBoost",
+             "sw_thermal_slowdown": "SwThermalSlowdown", "hw_thermal_slowdown": "HwThermalSlowdown",
+             "hw_power_brake_slowdown": "HwPowerBrakeSlowdown", "display_clock_setting": "DisplayClockSetting"}
+    assert {name for name, _ in THROTTLE_REASONS} == set(names)
+    for name, bit in THROTTLE_REASONS:
+        assert getattr(pynvml, f"nvmlClocksThrottleReason{names[name]}") == bit, name
