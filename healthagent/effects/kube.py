@@ -13,7 +13,7 @@ The node as last seen is a cache kept current by ONE watch on the agent's own no
 as they happen, and one that touches what the agent owns or the clear annotation calls
 ``on_change`` so the loop reconciles at once. In steady state that is zero writes, zero reads and
 one open watch. While the watch is down, the effects fall back to reading the node before
-planning, at most every ``resync_seconds``; a 409 on a write always re-reads.
+planning, at most every ``resync_seconds``; a conflict on a write always takes a fresh node.
 
 One reconcile:
   1. queue an Event for every open finding not reported yet, and one more when a finding's action
@@ -24,11 +24,13 @@ One reconcile:
      object) and adopt what the node records;
   3. if the plan against the cached node needs no write (and, with the watch down, the resync
      interval has not passed), stop: a steady state costs no request at all;
-  4. plan against the cached node (watch live) or a fresh read (watch down), noticing as in 2;
-     write labels/annotations/taints (a JSON patch whose ``test`` operations pin what it replaces;
-     a conflict -> re-read, re-plan, retry with bounded exponential backoff and jitter), then the
-     conditions (``/status``, merged by type, no precondition); after ADDING the taint, re-count the budget and roll back if this
-     node is the newest past the limit;
+  4. plan against the cached node (watch live) or a fresh read (watch down), noticing as in 2:
+     one plan per attempt (``effects/plan.py``, pure; the budget asked first, only when the taint
+     is to be added); ``NodeWriter`` writes labels/annotations/taints (a JSON patch whose ``test``
+     operations pin what it replaces; a conflict -> the fresh node, a new plan, a retry with
+     bounded exponential backoff and jitter), then the conditions (``/status``, merged by type, no
+     precondition); after ADDING the taint, ``BudgetGuard`` counts again and the taint is rolled
+     back if this node is the newest past the limit;
   5. deliver the queued Events, save the record to the state file.
 
 What the verdict could not see (``Verdict.unobserved``) is never taken for health: a condition
