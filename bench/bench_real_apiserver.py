@@ -44,7 +44,7 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -329,21 +329,39 @@ OFFSET = 10_000_000  # between the label values of two churn writers
 SETTLE_SECONDS = 1.0  # after the last clear: its condition write and Event land before the last scrape
 
 
+@dataclass
+class Cycles:
+    """The figures of ``runs`` taint-and-clear cycles on one bed, in milliseconds."""
+
+    taints: list[float] = field(default_factory=list)  # XID line -> taint on the watch
+    detects: list[float] = field(default_factory=list)  # XID line -> the agent's log line reporting it
+    clears: list[float] = field(default_factory=list)  # annotation on the watch -> taint gone
+    from_sent: list[float] = field(default_factory=list)  # annotation PATCH sent -> taint gone
+    patches: list[float] = field(default_factory=list)  # the annotation PATCH's round trip
+
+
+def run_cycles(bed: "Bed", runs: int) -> Cycles:
+    """Taint (an XID line) and clear (the annotation) ``runs`` times, then let the agent settle."""
+    cycles = Cycles()
+    for _ in range(runs):
+        taint, detect = bed.taint()
+        cycles.taints.append(taint)
+        cycles.detects.append(detect)
+        clear, total, patch = bed.clear()
+        cycles.clears.append(clear)
+        cycles.from_sent.append(total)
+        cycles.patches.append(patch)
+    time.sleep(SETTLE_SECONDS)
+    return cycles
+
+
 def part_one(plane: ControlPlane, work: Path, runs: int) -> tuple[list[float], list[float], list[float],
                                                                 list[float], dict[str, int]]:
     bed = Bed(plane, "xid", work)
     try:
         before = bed.counters()
-        taints, detects, clears, from_sent = [], [], [], []
-        for _ in range(runs):
-            taint, detect = bed.taint()
-            taints.append(taint)
-            detects.append(detect)
-            clear, total, _ = bed.clear()
-            clears.append(clear)
-            from_sent.append(total)
-        time.sleep(SETTLE_SECONDS)
-        return taints, detects, clears, from_sent, delta(before, bed.counters())
+        cycles = run_cycles(bed, runs)
+        return cycles.taints, cycles.detects, cycles.clears, cycles.from_sent, delta(before, bed.counters())
     finally:
         bed.close()
 
@@ -380,18 +398,10 @@ def part_two(plane: ControlPlane, work: Path, runs: int, rate: float, writers: i
         wait_until(lambda: written() >= 50, 30, "the churn to run")
         before = bed.counters()
         start_writes, start_events, start = written(), bed.follower.count(), time.monotonic()
-        taints, detects, clears, from_sent, patches = [], [], [], [], []
-        for _ in range(runs):
-            taint, detect = bed.taint()
-            taints.append(taint)
-            detects.append(detect)
-            clear, total, patch = bed.clear()
-            clears.append(clear)
-            from_sent.append(total)
-            patches.append(patch)
-        time.sleep(SETTLE_SECONDS)
+        cycles = run_cycles(bed, runs)
         elapsed = time.monotonic() - start
-        result = ChurnResult(taints, detects, clears, from_sent, patches, delta(before, bed.counters()),
+        result = ChurnResult(cycles.taints, cycles.detects, cycles.clears, cycles.from_sent, cycles.patches,
+                             delta(before, bed.counters()),
                              (written() - start_writes) / elapsed, sum(len(c.errors) for c in churns),
                              (bed.follower.count() - start_events) / elapsed)
         return result

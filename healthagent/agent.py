@@ -192,7 +192,7 @@ class Agent:
             )
             assessment = self.classifier.observe(collection)
             verdict = assessment.verdict
-            if assessment.cleared or cleared:
+            if cleared:
                 log.warning("operator_clear token=%s findings_cleared=%d", operator_clear, assessment.cleared)
             # The classifier drops the copies of one XID that several sources report (kmsg + NVML
             # event + dcgm), so the counter counts what it counted, once.

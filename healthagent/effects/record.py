@@ -25,7 +25,7 @@ class AppliedTaint:
     value: str  # reboot_node | replace_node
     effect: str  # NoSchedule | NoExecute
     since: float  # when the taint with this value was applied: the grace starts here
-    code: str = ""  # the leading finding's code when it was applied
+    code: str = ""  # the code of the most severe finding when it was applied
 
     @classmethod
     def from_dict(cls, data: Any) -> "AppliedTaint | None":
