@@ -5,14 +5,22 @@ demo can run several agents in one process). The loop calls ``publish(snapshot)`
 which swaps one reference (atomic under the GIL); a scrape renders whatever snapshot is current, so
 it does no I/O, takes no lock shared with the loop, and always sees one consistent picture.
 
-The demo node (8 GPUs, 32 EFA devices with ~36 counters each) renders about 1,600 samples, and
-prometheus_client's text encoder needs 10-30 ms for that many. The loop publishes a new snapshot
-every cycle (0.1 s), but its GPU and EFA samples change only when NVML or EFA collect again (every
-10 s; the loop hands over the very same sample objects until then). So the snapshot is encoded in
-parts - GPUs, XIDs, EFA, the rest - and each part's bytes are reused for as long as its input is
-equal (identity first, then equality); a scrape between collections encodes only the small
-changing parts (verdict, sources, timestamp) and the live registry (collect-duration histogram,
-build info, training intake). The concatenation is byte-identical to a full encode.
+The demo node (8 GPUs, 32 EFA devices with ~36 counters each) renders about 1,500 samples, and
+prometheus_client's encoders spend 10-20 us on each (OpenMetrics, which Prometheus negotiates,
+more than text 0.0.4). The loop publishes a new snapshot every cycle, but its GPU and EFA samples
+change only when NVML or EFA collect again (every 10 s; the loop hands over the very same sample
+objects until then), and when EFA does collect only the traffic counters move: a few families of
+the ~40. So encoding is cached at two levels, both with prometheus_client's own encoders:
+
+- a snapshot *part* (GPUs, XIDs, EFA, the rest) whose input is the same object (or equal) reuses
+  its bytes whole;
+- within a part that changed, each *family* whose input (its samples, or for EFA the values it is
+  built from) is equal to last time reuses its bytes, and only the families that changed are built
+  and encoded again.
+
+The live registry (collect-duration histogram, build info, training intake) is encoded on every
+scrape. The concatenation is byte-identical to encoding the whole registry at once, because both
+encoders write each family on its own (tests compare the two).
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from functools import lru_cache
+from typing import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -90,6 +99,8 @@ class Telemetry:
         self._encoded_lock = threading.Lock()
         # (part name, content type) -> (the part's input, its encoded bytes without # EOF)
         self._encoded: dict[tuple[str, str], tuple[object, bytes]] = {}
+        # (part name, content type) -> family name -> (the family's key, its encoded bytes)
+        self._family_bytes: dict[tuple[str, str], dict[str, tuple[object, bytes]]] = {}
 
     def observe_collect(self, source: str, seconds: float) -> None:
         """Record how long one collection of ``source`` took (a real histogram)."""
@@ -127,14 +138,45 @@ class Telemetry:
         source = part.input(snapshot)
         with self._encoded_lock:
             cached = self._encoded.get(key)
+            families_before = self._family_bytes.get(key, {})
         if cached is not None and (cached[0] is source or (part.compare_equal and cached[0] == source)):
             return cached[1]
-        encoded = encoder(_Families(tuple(part.render(snapshot))))
-        if encoded.endswith(OPENMETRICS_EOF):
-            encoded = encoded[: -len(OPENMETRICS_EOF)]
+        families_now: dict[str, tuple[object, bytes]] = {}
+        pieces = []
+        for family in part.family_inputs(snapshot):
+            before = families_before.get(family.name)
+            if before is not None and before[0] == family.key:
+                encoded = before[1]
+            else:
+                encoded = _strip_eof(encoder(_Families((family.build(),))))
+            families_now[family.name] = (family.key, encoded)
+            pieces.append(encoded)
+        encoded_part = b"".join(pieces)
         with self._encoded_lock:
-            self._encoded[key] = (source, encoded)
-        return encoded
+            self._encoded[key] = (source, encoded_part)
+            self._family_bytes[key] = families_now  # families that went away are forgotten
+        return encoded_part
+
+
+def _strip_eof(encoded: bytes) -> bytes:
+    return encoded[: -len(OPENMETRICS_EOF)] if encoded.endswith(OPENMETRICS_EOF) else encoded
+
+
+@dataclass(frozen=True)
+class FamilyInput:
+    """One family of a snapshot part: its name, everything its samples are made from (``key``,
+    compared with ``==``), and how to build it. Equal keys give byte-identical encodings."""
+
+    name: str
+    key: object
+    build: Callable[[], Metric]
+
+
+def _keyed_by_samples(families: Iterable[Metric]) -> Iterator[FamilyInput]:
+    """Families already built, keyed by what an encoder writes: help, type, unit and samples."""
+    for family in families:
+        key = (family.documentation, family.type, family.unit, tuple(family.samples))
+        yield FamilyInput(family.name, key, lambda family=family: family)
 
 
 class _Families:
@@ -201,12 +243,20 @@ def _other_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
 @dataclass(frozen=True)
 class SnapshotPart:
     """A slice of the snapshot that is encoded on its own: ``input`` is everything ``render``
-    reads, so equal inputs give equal bytes and the encoded part can be reused."""
+    reads, so equal inputs give equal bytes and the encoded part can be reused. ``inputs`` gives
+    the same families one by one with their keys (default: built by ``render``, keyed by their
+    samples), so a part that changed re-encodes only the families that did."""
 
     name: str
     input: Callable[[AgentSnapshot], object]
     render: Callable[[AgentSnapshot], Iterator[Metric]]
     compare_equal: bool = True  # False: reuse only for the very same input object
+    inputs: Callable[[AgentSnapshot], Iterable[FamilyInput]] | None = None
+
+    def family_inputs(self, snapshot: AgentSnapshot) -> Iterable[FamilyInput]:
+        if self.inputs is not None:
+            return self.inputs(snapshot)
+        return _keyed_by_samples(self.render(snapshot))
 
 
 # In exposition order. The big parts (GPUs, EFA) change only when their source collects again.
@@ -214,8 +264,11 @@ SNAPSHOT_PARTS: tuple[SnapshotPart, ...] = (
     SnapshotPart("gpu", lambda s: (s.gpus, s.expected_gpus),
                  lambda s: _gpu_families(s.gpus, s.expected_gpus)),
     SnapshotPart("xid", lambda s: s.xid_counts, lambda s: _xid_families(s)),
+    # EFA is most of the samples: its families are keyed by the values they are built from, so an
+    # unchanged family is neither built nor encoded.
     SnapshotPart("efa", lambda s: (s.efa, s.expected_efa_devices),
-                 lambda s: _efa_families(s.efa, s.expected_efa_devices)),
+                 lambda s: _efa_families(s.efa, s.expected_efa_devices),
+                 inputs=lambda s: _efa_family_inputs(s.efa, s.expected_efa_devices)),
     # Everything else is small and its timestamp changes every cycle: reused per snapshot only.
     SnapshotPart("other", lambda s: s, lambda s: _other_families(s), compare_equal=False),
 )
@@ -297,6 +350,7 @@ def _counter_family(name: str, values: Counter) -> Metric:
     return family
 
 
+@lru_cache(maxsize=4096)
 def efa_family_name(counter: str) -> str | None:
     """``healthagent_efa_<counter>_total`` for a driver counter file name; None for non-counters."""
     base = _UNSAFE.sub("_", counter.strip().lower()).strip("_")
@@ -307,41 +361,70 @@ def efa_family_name(counter: str) -> str | None:
     return f"{names.PREFIX}efa_{base}_total"
 
 
-def _efa_families(samples: tuple[EfaSample, ...], expected: int | None) -> Iterator[Metric]:
-    """One counter family per counter name seen, plus port_up and device counts.
+@dataclass(frozen=True)
+class _EfaCounterColumn:
+    """One EFA counter family's content: the driver's file name (for the help) and its samples."""
+
+    counter: str
+    samples: tuple[tuple[tuple[str, str], int], ...]  # ((device, port), value), sorted by device
+
+
+def _efa_columns(samples: tuple[EfaSample, ...]) -> tuple[dict[str, _EfaCounterColumn],
+                                                          tuple[tuple[tuple[str, str], float], ...]]:
+    """EFA samples pivoted to one column per counter family, plus the port-up samples.
 
     Different devices may expose different counter sets (driver versions differ); a family holds
     the devices that have its counter.
     """
-    counters: dict[str, Metric] = {}
-    port_up = _family("efa_port_up")
+    rows: dict[str, tuple[str, list]] = {}
+    port_up = []
     for sample in sorted(samples, key=lambda s: (s.device, s.port)):
-        labels = [sample.device, str(sample.port)]
-        port_up.add_metric(labels, 1.0 if "ACTIVE" in sample.port_state.upper() else 0.0)
+        labels = (sample.device, str(sample.port))
+        port_up.append((labels, 1.0 if "ACTIVE" in sample.port_state.upper() else 0.0))
         seen: set[str] = set()
         for counter in sorted(sample.counters):
             name = efa_family_name(counter)
             if name is None or name in seen:
                 continue  # lifespan, or two raw names that sanitise alike: the first one wins
             seen.add(name)
-            family = counters.get(name)
-            if family is None:
-                family = counters[name] = _efa_counter_family(name, counter)
-            family.add_metric(labels, float(sample.counters[counter]))
-    for name in sorted(counters):
-        yield counters[name]
-    yield port_up
-    devices = _family("efa_devices")
-    devices.add_metric([], float(len({s.device for s in samples})))
-    yield devices
-    expected_family = _family("efa_devices_expected")
-    _value(expected_family, [], expected)
-    yield expected_family
+            rows.setdefault(name, (counter, []))[1].append((labels, sample.counters[counter]))
+    columns = {name: _EfaCounterColumn(counter, tuple(values)) for name, (counter, values) in rows.items()}
+    return columns, tuple(port_up)
 
 
-def _efa_counter_family(name: str, counter: str) -> Metric:
-    return CounterMetricFamily(name, names.EFA_COUNTER_HELP.format(counter=counter),
-                               labels=list(names.EFA_COUNTER_LABELS))
+def _efa_families(samples: tuple[EfaSample, ...], expected: int | None) -> Iterator[Metric]:
+    """One counter family per counter name seen, plus port_up and device counts."""
+    for family in _efa_family_inputs(samples, expected):
+        yield family.build()
+
+
+def _efa_family_inputs(samples: tuple[EfaSample, ...], expected: int | None) -> Iterator[FamilyInput]:
+    columns, port_up = _efa_columns(samples)
+    for name in sorted(columns):
+        column = columns[name]
+        yield FamilyInput(name, column, lambda name=name, column=column: _efa_counter_family(name, column))
+    yield FamilyInput(names.PREFIX + "efa_port_up", port_up, lambda: _gauge_rows("efa_port_up", port_up))
+    device_count = len({s.device for s in samples})
+    yield FamilyInput(names.PREFIX + "efa_devices", device_count,
+                      lambda: _gauge_rows("efa_devices", (((), device_count),)))
+    expected_rows = () if expected is None else (((), expected),)
+    yield FamilyInput(names.PREFIX + "efa_devices_expected", expected_rows,
+                      lambda: _gauge_rows("efa_devices_expected", expected_rows))
+
+
+def _gauge_rows(name: str, rows: Iterable[tuple[tuple[str, ...], float | int]]) -> Metric:
+    family = _family(name)
+    for labels, value in rows:
+        family.add_metric(list(labels), float(value))
+    return family
+
+
+def _efa_counter_family(name: str, column: _EfaCounterColumn) -> Metric:
+    family = CounterMetricFamily(name, names.EFA_COUNTER_HELP.format(counter=column.counter),
+                                 labels=list(names.EFA_COUNTER_LABELS))
+    for labels, value in column.samples:
+        family.add_metric(list(labels), float(value))
+    return family
 
 
 def _verdict_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
