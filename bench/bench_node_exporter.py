@@ -40,14 +40,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import machine, table
+from bench.common import PROMETHEUS_ACCEPT, machine, table
 from tests.support.live_agent import AgentProcess, Scrape, free_port, proc_cpu_seconds, wait_until
 
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
 EFA_INTERVAL_SECONDS = 1.0  # the agent's EFA collection in this bench (default 10 s), see below
 GAP_SECONDS = 1.1
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
-                     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 
 
 def fetch(port: int) -> tuple[bytes, bytes]:
