@@ -48,5 +48,6 @@ RUN --mount=type=bind,from=wheels,source=/wheels,target=/wheels \
     && useradd --system --uid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin healthagent
 
 USER 10001
-EXPOSE 9410
+# 9410: /metrics and probes (the pod's own port); 9412: the training intake (the hostPort)
+EXPOSE 9410 9412
 ENTRYPOINT ["healthagent", "run"]

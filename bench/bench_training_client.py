@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+from healthagent.telemetry.intake_access import IntakeAccess, job_token
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
 from healthagent.telemetry.training_client import INTAKE_PATH, TrainingReporter
@@ -69,6 +70,9 @@ class NeverAnswers:
         self.listener.close()
 
 
+BENCH_KEY = "bench-training-key"  # the agent's training key; the reporter holds the job's token
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -76,7 +80,8 @@ def free_port() -> int:
 
 
 def measure(url: str, calls: int) -> tuple[list[int], TrainingReporter]:
-    reporter = TrainingReporter(job="bench", url=url, rank=0, world_size=8, timeout_seconds=1.0)
+    reporter = TrainingReporter(job="bench", url=url, rank=0, world_size=8, timeout_seconds=1.0,
+                                token=job_token(BENCH_KEY, "bench"))
     latencies = []
     for n in range(calls):
         started = time.perf_counter_ns()
@@ -122,13 +127,14 @@ def main() -> None:
     telemetry = Telemetry("bench")
     intake = TrainingIntake()
     telemetry.registry.register(intake)
-    agent = AgentServer(telemetry, intake, "127.0.0.1", 0)
+    agent = AgentServer(telemetry, intake, "127.0.0.1", 0, intake_listen=("127.0.0.1", 0),
+                        access=IntakeAccess("token", BENCH_KEY))
     agent.start()
     slow = NeverAnswers()
     scenarios = {
         "down": f"http://127.0.0.1:{free_port()}",
         "slow": f"http://127.0.0.1:{slow.port}",
-        "up": f"http://127.0.0.1:{agent.port}",
+        "up": f"http://127.0.0.1:{agent.intake_port}",
     }
     print(f"report_step latency over {args.calls} calls, microseconds "
           f"(switch interval {sys.getswitchinterval() * 1000:.0f} ms)")

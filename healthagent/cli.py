@@ -1,9 +1,12 @@
-"""Command line: ``healthagent run|check|classify|explain|demo`` (a stable contract: people and scripts rely on it).
+"""Command line: ``healthagent run|check|classify|explain|demo|training-token`` (a stable
+contract: people and scripts rely on it).
 
 Exit codes of ``check``: 0 healthy, 1 degraded (monitor..reset_gpu), 2 node action required
-(reboot_node, replace_node), 3 could not run (a config error, or the GPUs could not be observed
-while NVML was asked for and nothing seen demands a node action). Config errors print one line naming the key and the
-fix and exit 3 for every command.
+(reboot_node, replace_node), 3 could not run (a usage or config error, or the GPUs could not be
+observed while NVML was asked for and nothing seen demands a node action). Every command exits 3
+when it could not run: a usage error (an unknown flag, a value of the wrong kind) prints the usage
+and one line; a config error prints one line naming the key and the fix. So a wrapper that acts
+on 2 never acts on a typo.
 
 Imports of heavy or cluster-only modules (``kubernetes``, ``grafanalib``) stay inside the commands
 that need them, so ``check`` and ``classify`` start fast on a bare node image.
@@ -16,6 +19,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -27,11 +31,39 @@ from healthagent.config import ConfigError, Settings, load_settings
 from healthagent.model import Collection, natural_key
 
 EXIT_CANNOT_RUN = 3
+EXIT_USAGE = EXIT_CANNOT_RUN  # a usage error is "could not run", never check's 2 ("node action")
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a Unix tool whose reader left
 
 
 class CannotRun(Exception):
     """A command cannot do its job (an input file that cannot be read); ``str()`` is one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors exiting 3 (argparse's own 2 is check's "node action required")."""
+
+    def error(self, message: str) -> Any:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _demo_gpu(text: str) -> int:
+    from healthagent.demo import DEMO_GPUS
+
+    index = _whole_number(text)
+    if not 0 <= index < DEMO_GPUS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the demo node has GPUs 0 to {DEMO_GPUS - 1}")
+    return index
+
+
+def _whole_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
 
 
 def _add_host_flags(p: argparse.ArgumentParser) -> None:
@@ -46,12 +78,12 @@ def _add_host_flags(p: argparse.ArgumentParser) -> None:
                    help="do not read NVML (no driver on this host)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
-                   help="any setting by its name in healthagent/config.py (as in the YAML file), "
+                   help="any setting by its name, as in the YAML file (an unknown name lists them all), "
                         "e.g. --set source_timeout_seconds=10; repeatable; a dedicated flag wins")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="healthagent",
         description="GPU and EFA health agent: detect faults, explain them, take the node out safely.",
     )
@@ -60,10 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="the DaemonSet agent loop")
     _add_host_flags(run)
-    run.add_argument("--listen", help="HOST:PORT for /metrics, /healthz, /readyz, /v1/training")
+    run.add_argument("--listen", help="HOST:PORT for /metrics, /healthz and /readyz (default 0.0.0.0:9410)")
+    run.add_argument("--training-listen", help="HOST:PORT of the training intake, POST /v1/training "
+                                               "(default: listen's host, port 9412)")
+    run.add_argument("--training-intake", choices=("token", "open", "off"),
+                     help="who may post training reports (default token: a job token or the training key)")
     run.add_argument("--kube", help="in-cluster, kubeconfig, dry-run or off")
     run.add_argument("--kubeconfig", help="kubeconfig file when --kube kubeconfig")
-    run.add_argument("--node-name", help="this node's name (default: NODE_NAME)")
+    run.add_argument("--node-name", help="this node's name (default: NODE_NAME); needed by every --kube mode but off")
     run.add_argument("--state-file", help="state that survives restarts")
     run.add_argument("--hyperpod-labels", action="store_const", const="true",
                      help="also set sagemaker.amazonaws.com/node-health-status")
@@ -78,36 +114,44 @@ def build_parser() -> argparse.ArgumentParser:
     classify.add_argument("--policy-file", help="YAML policy overrides")
 
     explain = sub.add_parser("explain", help="what an XID means and what the agent does about it")
-    explain.add_argument("xid", type=int)
+    explain.add_argument("xid", type=_whole_number, help="the XID number, e.g. 94")
     explain.add_argument("--policy-file", help="YAML policy overrides")
 
     demo = sub.add_parser("demo", help="run the agent on the bundled demo node through a scripted fault")
     demo.add_argument("--listen", default="127.0.0.1:0",
                       help="where the demo agent serves /metrics (default: a free loopback port)")
-    demo.add_argument("--xid", type=int, default=94, help="XID to inject (default 94)")
-    demo.add_argument("--gpu", type=int, default=3, help="GPU index to inject it on (default 3)")
+    demo.add_argument("--xid", type=_whole_number, default=94, help="XID to inject (default 94)")
+    demo.add_argument("--gpu", type=_demo_gpu, default=3, help="GPU index to inject it on, 0-7 (default 3)")
     demo.add_argument("--keep-running", action="store_true",
                       help="keep serving /metrics after the script, until Ctrl-C")
     demo.add_argument("--prepare", metavar="DIR",
                       help="only write the demo host root to DIR (for check/run --host-root DIR)")
+
+    token = sub.add_parser("training-token", help="print the token that lets a training job report "
+                                                  "(derived from the training key; docs/training.md)")
+    token.add_argument("job", help="the job name its ranks report (HEALTHAGENT_JOB)")
+    token.add_argument("--namespace", help="print a Secret for this namespace (for kubectl apply -f -) "
+                                           "holding the job and its token, instead of the bare token")
+    token.add_argument("--name", help="the Secret's name (default healthagent-job-<job>)")
+    token.add_argument("--config", help="YAML settings file (also HEALTHAGENT_CONFIG)")
     return parser
 
 
 _SETTING_FLAGS = ("host_root", "kernel_log", "policy_file", "dcgm_url", "expected_gpus",
                   "expected_efa_devices", "nvml", "log_level", "listen", "kube", "kubeconfig",
-                  "node_name", "state_file", "hyperpod_labels")
+                  "node_name", "state_file", "hyperpod_labels", "training_listen", "training_intake")
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
-    flags = parse_set_values(getattr(args, "set_values", None) or [])
-    flags.update({k: getattr(args, k) for k in _SETTING_FLAGS if getattr(args, k, None) is not None})
+    set_values = parse_set_values(getattr(args, "set_values", None) or [])
+    flags = {k: getattr(args, k) for k in _SETTING_FLAGS if getattr(args, k, None) is not None}
     flags.update(overrides)
-    return load_settings(flags=flags, config_file=getattr(args, "config", None))
+    return load_settings(flags=flags, set_values=set_values, config_file=getattr(args, "config", None))
 
 
 def parse_set_values(items: list[str]) -> dict[str, str]:
-    """``--set KEY=VALUE`` items as flags for ``load_settings`` (which converts and validates the
-    values exactly as it does the YAML file's and the environment's)."""
+    """``--set KEY=VALUE`` items for ``load_settings`` (which converts and validates the values
+    exactly as it does the YAML file's and the environment's, and names them ``--set KEY``)."""
     known = {f.name for f in fields(Settings)}
     values: dict[str, str] = {}
     for item in items:
@@ -247,7 +291,7 @@ def render_check(collection, verdict, exit_code: int | None = None, earlier_boot
     lines.append("Sources:")
     lines.extend(f"  {h.source:<5} {'up' if h.up else 'DOWN':<4} {h.detail}".rstrip()
                  for h in collection.health)
-    lines.append(f"XID events in the kernel log / NVML: {len(collection.xids)}")
+    lines.append(f"XID events in the kernel log / NVML: {sum(x.repeats for x in collection.xids)}")
     if earlier_boot_xids:
         lines.append(f"{earlier_boot_xids} XID events from earlier boots (not judged)")
     lines.extend(_unobserved_lines(collection, verdict))
@@ -280,7 +324,7 @@ def check_json(collection, verdict, exit_code: int | None = None, earlier_boot_x
         "gpus": [asdict(g) for g in collection.gpus],
         "efa_devices": sorted({s.device for s in collection.efa}),
         "sources": [asdict(h) for h in collection.health],
-        "xid_events": len(collection.xids),
+        "xid_events": sum(x.repeats for x in collection.xids),
         "xid_events_earlier_boots": earlier_boot_xids,
     }
 
@@ -332,8 +376,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+# -- training-token -------------------------------------------------------------------------------
+
+def cmd_training_token(args: argparse.Namespace) -> int:
+    """Print a job's token, or a Secret holding it: the one step that gives a job its credential.
+
+    Run where the training key is (``kubectl -n healthagent exec ds/healthagent -- healthagent
+    training-token JOB ...``: the agent's pod has it from the Secret healthagent-training)."""
+    from healthagent.telemetry.intake_access import job_token
+    from healthagent.telemetry.training_schema import ReportError, parse_report
+
+    settings = load_settings(config_file=args.config)
+    if not settings.training_token:
+        raise CannotRun("training-token: no training key here (training_token is empty); run it in an "
+                        "agent's pod: kubectl -n healthagent exec ds/healthagent -- healthagent "
+                        "training-token JOB, after creating the Secret healthagent-training "
+                        "(docs/training.md)")
+    try:
+        parse_report({"type": "end", "job": args.job})  # the intake's own rule for a job name
+    except ReportError as exc:
+        raise CannotRun(f"training-token: {exc}") from None
+    token = job_token(settings.training_token, args.job)
+    if not args.namespace:
+        print(token)
+        return 0
+    name = args.name or _secret_name(args.job)
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {"name": name, "namespace": args.namespace,
+                           "labels": {"app.kubernetes.io/part-of": "healthagent"}},
+              "stringData": {"job": args.job, "token": token}}
+    print(json.dumps(secret, indent=2))
+    return 0
+
+
+def _secret_name(job: str) -> str:
+    """``healthagent-job-<job>`` as a Kubernetes object name (lower case, ``-`` for the rest)."""
+    slug = re.sub(r"[^a-z0-9.-]+", "-", job.lower()).strip("-.")[:200].rstrip("-.")
+    if not slug:
+        raise CannotRun(f"training-token: {job!r} gives no usable Secret name; pass --name NAME")
+    return f"healthagent-job-{slug}"
+
+
 COMMANDS = {"run": cmd_run, "check": cmd_check, "classify": cmd_classify, "explain": cmd_explain,
-            "demo": cmd_demo}
+            "demo": cmd_demo, "training-token": cmd_training_token}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""The command line's errors: bad settings, environment and input end in one line and exit 3, a
-closed pipe ends quietly, and ``--set KEY=VALUE`` can say every setting.
+"""The command line's errors: bad usage, settings, environment and input end in one line and exit 3
+(never check's 2, "node action required"), a closed pipe ends quietly, ``--set KEY=VALUE`` can say
+every setting and names it as given, and ``training-token`` gives a job its credential.
 
 Commands that start the agent (``run``) run as real subprocesses (``python -m healthagent``): they
 install signal handlers and threads that must not land in the test process.
@@ -19,6 +20,7 @@ import pytest
 
 from healthagent.cli import EXIT_BROKEN_PIPE, _settings, build_parser, main
 from healthagent.config import Settings, load_settings
+from healthagent.telemetry.intake_access import Grant, IntakeAccess
 
 REPO = Path(__file__).resolve().parents[1]
 XID_LINE = "May 01 09:51:12 node kernel: NVRM: Xid (PCI:0000:86:00): 94, pid=1234, name=python, Contained: CE User Channel (0x9)\n"
@@ -160,7 +162,7 @@ def test_set_says_any_setting_and_a_dedicated_flag_wins(tmp_path, monkeypatch):
     ("nope=1", "'nope' is not a setting; valid keys:"),
     ("source_timeout_seconds", "use KEY=VALUE"),
     ("=1", "use KEY=VALUE"),
-    ("source_timeout_seconds=soon", "--source-timeout-seconds='soon' is not a valid float"),
+    ("source_timeout_seconds=soon", "--set source_timeout_seconds='soon' is not a valid float"),
     ("expected_gpus=-1", "expected_gpus: must be 0 or more"),
 ])
 def test_set_errors_are_one_line(tmp_path, capsys, item, words):
@@ -176,7 +178,8 @@ def test_every_setting_can_be_set_on_the_command_line(tmp_path):
                "dcgm_url": "http://localhost:9400/metrics", "policy_file": str(tmp_path / "p.yaml"),
                "state_file": str(tmp_path / "s.json"), "taint_key": "healthagent.io/other",
                "budget_node_selector": "gpu=yes", "hyperpod_labels": "true", "log_level": "DEBUG",
-               "training_token": "t0ken"}
+               "training_token": "t0ken", "training_intake": "open", "training_listen": "127.0.0.1:9998",
+               "condition_vocabulary": "eks"}
     defaults = Settings()
     for f in fields(Settings):
         if f.name in samples:
@@ -189,3 +192,91 @@ def test_every_setting_can_be_set_on_the_command_line(tmp_path):
         said_by_env = load_settings(env={"HEALTHAGENT_HOST_ROOT": str(tmp_path),
                                          f"HEALTHAGENT_{f.name.upper()}": value})
         assert s == said_by_env and getattr(s, f.name) != getattr(defaults, f.name), f.name
+
+
+def test_a_flag_beats_set_and_set_beats_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEALTHAGENT_LISTEN", "127.0.0.1:7001")
+    assert parsed("run", "--host-root", str(tmp_path), "--set", "listen=127.0.0.1:7002").listen == "127.0.0.1:7002"
+    assert parsed("run", "--host-root", str(tmp_path), "--set", "listen=127.0.0.1:7002",
+                  "--listen", "127.0.0.1:7003").listen == "127.0.0.1:7003"
+
+
+# -- usage errors: exit 3 for every command, never check's 2 --------------------------------------
+
+@pytest.mark.parametrize("argv", [
+    ["check", "--jsn"],
+    ["explain", "abc"],
+    ["explain", "-5"],
+    ["demo", "--gpu", "9"],
+    ["demo", "--xid", "x"],
+    ["classify", "--nope"],
+    ["run", "--kube-mode", "dry-run"],
+    ["run", "--training-intake", "sometimes"],
+    ["training-token"],
+    ["no-such-command"],
+    [],
+], ids=lambda argv: " ".join(argv) or "no command")
+def test_usage_errors_exit_3_with_the_usage_and_one_line(argv):
+    proc = healthagent(*argv)
+    assert proc.returncode == 3
+    err = proc.stderr.decode()
+    assert "Traceback" not in err and err.startswith("usage: healthagent")
+    assert len([line for line in err.splitlines() if ": error: " in line]) == 1, err
+
+
+def test_demo_names_the_gpus_it_has():
+    proc = healthagent("demo", "--gpu", "9")
+    assert "the demo node has GPUs 0 to 7" in proc.stderr.decode()
+
+
+def test_help_and_version_still_exit_0():
+    assert healthagent("--help").returncode == 0
+    assert healthagent("check", "--help").returncode == 0
+    assert healthagent("--version").returncode == 0
+
+
+# -- the node's name: one rule for every mode that acts on a node ---------------------------------
+
+@pytest.mark.parametrize("kube", ["dry-run", "in-cluster"])
+def test_a_mode_that_acts_on_a_node_needs_its_name(tmp_path, kube):
+    proc = healthagent("run", "--host-root", str(tmp_path), "--no-nvml", "--state-file", str(tmp_path / "s.json"),
+                       "--kube", kube, "--listen", "127.0.0.1:0", "--log-level", "ERROR")
+    assert proc.returncode == 3
+    line = one_error_line(proc, "healthagent: config error: node_name:")
+    assert f"kube={kube}" in line and "NODE_NAME" in line and "--node-name" in line
+
+
+# -- training-token: the one step that gives a job its credential ---------------------------------
+
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+def test_training_token_prints_a_token_the_agent_accepts_for_that_job_only():
+    proc = healthagent("training-token", "llama3-70b", env={"HEALTHAGENT_TRAINING_TOKEN": KEY})
+    assert proc.returncode == 0, proc.stderr.decode()
+    token = proc.stdout.decode().strip()
+    assert KEY not in token
+    assert IntakeAccess("token", KEY).check(f"Bearer {token}") == Grant(job="llama3-70b")
+    assert IntakeAccess("token", "another-key").check(f"Bearer {token}") != Grant(job="llama3-70b")
+
+
+def test_training_token_prints_a_secret_for_the_jobs_namespace():
+    proc = healthagent("training-token", "Llama3 70B", "--namespace", "team-a",
+                       env={"HEALTHAGENT_TRAINING_TOKEN": KEY})
+    assert proc.returncode == 0, proc.stderr.decode()
+    secret = json.loads(proc.stdout)
+    assert (secret["kind"], secret["metadata"]["namespace"]) == ("Secret", "team-a")
+    assert secret["metadata"]["name"] == "healthagent-job-llama3-70b"
+    assert secret["stringData"]["job"] == "Llama3 70B"
+    grant = IntakeAccess("token", KEY).check(f"Bearer {secret['stringData']['token']}")
+    assert grant == Grant(job="Llama3 70B")
+
+
+@pytest.mark.parametrize("job,env,words", [
+    ("llama", {}, "no training key here"),
+    ("bad\tjob", {"HEALTHAGENT_TRAINING_TOKEN": KEY}, "'job' must be 1-128 printable characters"),
+])
+def test_training_token_errors_are_one_line(job, env, words):
+    proc = healthagent("training-token", job, env=env)
+    assert proc.returncode == 3 and proc.stdout == b""
+    assert words in one_error_line(proc, "healthagent: training-token:")

@@ -45,7 +45,7 @@ from typing import Iterable, Mapping
 from healthagent.model import canonical_pci_bus_id
 from healthagent.sources.instance import PRODUCT_NAME
 
-# Counter files of the amzn EFA driver by scope (shared/reference/efa-counters.txt).
+# Counter files of the amzn EFA driver by scope, as amzn-drivers' efa_verbs.c names them.
 EFA_PORT_COUNTERS: tuple[str, ...] = (
     "tx_bytes", "tx_pkts", "rx_bytes", "rx_pkts", "rx_drops",
     "send_bytes", "send_wrs", "recv_bytes", "recv_wrs",

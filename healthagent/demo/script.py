@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import shlex
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from healthagent.config import load_settings
+from healthagent.config import Settings, load_settings
 from healthagent.model import Action
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 POLL_SECONDS = 0.02
 DEMO_GRACE_SECONDS = 3.0  # NoSchedule -> NoExecute for replace_node; 120 s on a real node
+DEMO_JOB = "demo-job"
 
 
 def _say(text: str = "") -> None:
@@ -67,13 +69,7 @@ def run_demo(args: argparse.Namespace) -> int:
     logging.getLogger("healthagent.effects").setLevel(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="healthagent-demo-") as tmp:
         node = build_demo_root(Path(tmp) / "host")
-        settings = load_settings(env={}, flags={
-            "host_root": str(node.root), "kube": "dry-run", "listen": args.listen,
-            "state_file": str(Path(tmp) / "state.json"), "node_name": "demo-p5-node",
-            "expected_gpus": 8, "expected_efa_devices": len(node.efa_devices),
-            "nvml_interval_seconds": 1, "efa_interval_seconds": 1, "log_level": "WARNING",
-            "replace_noexecute_grace_seconds": DEMO_GRACE_SECONDS,
-        })
+        settings = demo_settings(node, Path(tmp), args.listen)
         from healthagent.demo.stub_setup import use_stub_nvml
         from healthagent.wiring import AgentRuntime
 
@@ -84,6 +80,20 @@ def run_demo(args: argparse.Namespace) -> int:
             return _script(args, node, runtime)
         finally:
             runtime.stop()
+
+
+def demo_settings(node: DemoNode, workdir: Path, listen: str = "127.0.0.1:0") -> Settings:
+    """The agent's settings for the demo node (docs/metrics.md counts the series they give)."""
+    return load_settings(env={}, flags={
+        "host_root": str(node.root), "kube": "dry-run", "listen": listen,
+        "state_file": str(workdir / "state.json"), "node_name": "demo-p5-node",
+        "expected_gpus": 8, "expected_efa_devices": len(node.efa_devices),
+        "nvml_interval_seconds": 1, "efa_interval_seconds": 1, "log_level": "WARNING",
+        "replace_noexecute_grace_seconds": DEMO_GRACE_SECONDS,
+        # The intake on a free port of its own, closed as on a cluster: this run's random
+        # training key opens it (printed as a job token with --keep-running).
+        "training_token": secrets.token_hex(16),
+    })
 
 
 def _check_command(node: DemoNode) -> str:
@@ -103,6 +113,7 @@ def _check_command(node: DemoNode) -> str:
 def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> int:
     agent = runtime.agent
     metrics_url = f"http://127.0.0.1:{runtime.server.port}/metrics"
+    intake_url = f"http://127.0.0.1:{runtime.server.intake_port}/v1/training"
     _say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 via the stub NVML library, "
          f"{len(node.efa_devices)} EFA devices), Kubernetes in dry-run")
     if not _wait_for(lambda: agent.verdict is not None and agent.cycles > 0, 15):
@@ -114,7 +125,8 @@ def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> 
          f"verdict = {agent.verdict.action.value}")
     for gpu in snapshot_gpus:
         _say(f"   GPU {gpu.index}  {gpu.pci_bus_id}  {gpu.name}  {gpu.temperature_c} C  {gpu.power_w} W")
-    _say(f"   metrics: {metrics_url}")
+    _say(f"   metrics: {metrics_url} and the training intake: {intake_url}, each on a port of "
+         f"its own (served while the demo runs; add --keep-running to keep them up)")
 
     pci = node.gpu_pci_bus_ids[args.gpu]
     _say(f"\n2. Fault: the driver logs XID {args.xid} on GPU {args.gpu} ({pci}) in the kernel log")
@@ -139,11 +151,15 @@ def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> 
         return lambda: agent.kube_status.taint_effect == effect
 
     if agent.verdict.action.needs_node_action and _wait_for(taint_is("NoSchedule"), 10):
+        tainted = time.monotonic()
         _say("   taint NoSchedule now: no new pods land here; the job keeps running so it can checkpoint")
         if agent.verdict.action is Action.REPLACE_NODE:
-            _say(f"   (the grace before NoExecute is {DEMO_GRACE_SECONDS:g} s in the demo, 120 s by default)")
+            _say(f"   NoExecute follows once the grace has passed: {DEMO_GRACE_SECONDS:g} s after the "
+                 f"NoSchedule taint in the demo (120 s by default), at the effects' next pass")
             if _wait_for(taint_is("NoExecute"), DEMO_GRACE_SECONDS + 15):
-                _say("   taint NoExecute now: the job's pods are evicted and it re-rendezvous without this node")
+                _say(f"   taint NoExecute now, {time.monotonic() - tainted:.0f} s after NoSchedule (the "
+                     "log's since_taint_seconds): the job's pods are evicted and it re-rendezvous "
+                     "without this node")
     kube = agent.kube_status
     _say(f"   taint effect now: {kube.taint_effect or 'none'}; budget holding it back: {kube.budget_blocked}")
 
@@ -153,7 +169,14 @@ def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> 
                                                "healthagent_findings", "healthagent_gpu_up{gpu=\"%d\"" % args.gpu)):
         _say(f"   {line}")
     if args.keep_running:
-        _say(f"\nserving {metrics_url} until Ctrl-C")
+        from healthagent.telemetry.intake_access import job_token
+
+        token = job_token(runtime.settings.training_token, DEMO_JOB)
+        _say(f"\nserving {metrics_url} and {intake_url} until Ctrl-C; report a training step with "
+             f"this run's token for job {DEMO_JOB!r}:")
+        _say(f"   curl -s -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' "
+             f"{intake_url} -d '{{\"type\":\"step\",\"job\":\"{DEMO_JOB}\",\"rank\":0,"
+             f"\"world_size\":8,\"step\":1,\"tokens\":4096,\"samples\":8,\"step_seconds\":1.5}}'")
         try:
             while True:
                 time.sleep(1)

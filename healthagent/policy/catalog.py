@@ -1,4 +1,4 @@
-"""NVIDIA's XID catalog with this product's action for each row, merged with the operator's overrides.
+"""NVIDIA's XID catalog with the agent's default action for each row, merged with the operator's overrides.
 
 ``xid_catalog.csv`` holds one row per XID of NVIDIA's catalog for Ampere and newer GPUs
 (docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html, 172 rows): ``name`` is NVIDIA's
@@ -22,9 +22,11 @@ The mapping rule (NVIDIA's immediate bucket -> our action), also in docs/finding
   message (``recovery_action``), which is what decides.
 - A blank bucket (XID 162-172) -> the row's note reads NVIDIA's trigger text.
 
-Departures, each stated in the row's note: XID 63, 64, 94 and 95 are replace_node (the product's
-promise); the XIDs NVIDIA's k8s-device-plugin ignores as application errors (13, 31, 43, 45, 68,
-109) are at most restart_app, so they never take a node out on their own.
+Departures, each stated in the row's note, which says what the default policy does and what
+NVIDIA's catalog says: XID 63, 64, 94 and 95 replace the node (memory remapping events and memory
+errors take the node out of the job for good); the XIDs NVIDIA's k8s-device-plugin ignores as
+application errors (13, 31, 43, 45, 68, 109) are at most restart_app, so they never take a node
+out on their own. A policy file can map any of them to NVIDIA's action instead.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class CatalogEntry:
         if not self.known:
             return "not in NVIDIA's catalog: reported as monitor with its number, never dropped"
         if self.note:
-            return f"catalog note: {self.note}"
+            return self.note
         return f"rule: NVIDIA bucket {self.bucket} -> {BUCKET_ACTIONS[self.bucket].value}"
 
     def reason(self) -> str:

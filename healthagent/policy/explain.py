@@ -6,8 +6,8 @@ override that decided it, how long the finding lasts, and what to do.
 from __future__ import annotations
 
 from healthagent.model import Action
-from healthagent.policy.catalog import BUCKET_ACTIONS, RECOVERY_XID, Catalog
-from healthagent.policy.findings import ACTION_STEPS, FINDINGS, fill
+from healthagent.policy.catalog import BUCKET_ACTIONS, RECOVERY_XID, Catalog, CatalogEntry
+from healthagent.policy.findings import ACTION_STEPS, FINDINGS
 from healthagent.policy.settings import Policy
 
 PERSISTENCE = {
@@ -24,6 +24,26 @@ def persistence(action: Action, policy: Policy) -> str:
         return PERSISTENCE[action]
     return (f"drives the verdict until {policy.xid_window_seconds:g} s pass without this GPU "
             f"logging another XID (xid_window_seconds)")
+
+
+# What to do, said without a GPU at hand (explain is about an XID, not one GPU's incident) and
+# without pointing back at explain itself.
+_MONITOR_STEPS = ("No action on the node now. If it repeats on the same GPU, collect "
+                  "`nvidia-bug-report.sh` and open a case with NVIDIA.")
+_RECOVERY_STEPS = ("Do what the driver's message names (the agent takes that action, as above): "
+                   "nothing for 'None'; restart the job for 'Drain P2P'; drain and reset the GPU for "
+                   "'Drain and Reset' or 'GPU Reset Required'; drain and reboot the node for 'Node "
+                   "Reboot Required'.")
+
+
+def what_to_do(xid: int, entry: CatalogEntry) -> str:
+    """The on-call's next step for an XID in general (``check`` names the GPU for an incident)."""
+    if xid == RECOVERY_XID and not entry.overridden:
+        return _RECOVERY_STEPS
+    if entry.action is Action.MONITOR:
+        return _MONITOR_STEPS
+    return ACTION_STEPS[entry.action].format(gpu="the GPU that logged it", index="<index>", xid=xid,
+                                             device="the device")
 
 
 def explain(xid: int, catalog: Catalog, policy: Policy) -> str:
@@ -46,6 +66,6 @@ def explain(xid: int, catalog: Catalog, policy: Policy) -> str:
                  f"{policy.incident_quiet_seconds:g} s of silence); {persistence(entry.action, policy)}")
     if policy.source:
         lines.append(f"Policy file: {policy.source}")
-    lines.append("What to do: " + fill(ACTION_STEPS[entry.action], xid=xid))
+    lines.append("What to do: " + what_to_do(xid, entry))
     lines.append(f"Runbook: {FINDINGS['GPU_XID'].runbook}")
     return "\n".join(lines)

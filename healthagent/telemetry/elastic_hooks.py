@@ -4,7 +4,7 @@ They run in the torchrun agent process (one per node), not in the ranks, and rep
 healthagent on the node through a ``TrainingReporter``. torch is not a dependency: nothing here
 imports it except ``install_elastic_hooks`` (lazily, inside the function).
 
-What torch emits and what each becomes (``/work/shared/reference/elastic-training.md``):
+What torch emits (``torch.distributed.elastic``'s events and metrics) and what each becomes:
 
 - ``RdzvEvent`` records (the ``"dynamic_rendezvous"`` destination; built only when that handler is
   replaced): the message "... as rank R in a world of size W." completes a rendezvous; W counts

@@ -9,11 +9,11 @@ dropped and counted. A daemon thread sends batches with ``urllib.request`` (shor
 ignored: the agent is on this node) and backs off while the agent is down or slow; it never holds
 more than one batch in flight, so memory is bounded by ``queue_size`` + ``batch_size`` reports.
 
-Where the agent is: ``HEALTHAGENT_URL`` (e.g. ``http://10.0.0.5:9410``), else
-``http://$HEALTHAGENT_HOST_IP:9410`` (set ``HEALTHAGENT_HOST_IP`` from the downward API
-``status.hostIP``), else ``http://127.0.0.1:9410`` (a pod on the host network). When the agent
-requires a token (its ``training_token`` setting), ``HEALTHAGENT_TRAINING_TOKEN`` (or ``token=``)
-is sent as ``Authorization: Bearer <token>``.
+Where the agent's training intake is: ``HEALTHAGENT_URL`` (e.g. ``http://10.0.0.5:9412``), else
+``http://$HEALTHAGENT_HOST_IP:9412`` (set ``HEALTHAGENT_HOST_IP`` from the downward API
+``status.hostIP``), else ``http://127.0.0.1:9412`` (a pod on the host network). The intake accepts
+no report without a credential unless its operator opened it: ``HEALTHAGENT_TRAINING_TOKEN`` (or
+``token=``), the job's token from its Secret, is sent as ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 9410
+DEFAULT_PORT = 9412  # the agent's training intake (its metrics are on another port)
 INTAKE_PATH = "/v1/training"
 ENV_URL = "HEALTHAGENT_URL"
 ENV_HOST_IP = "HEALTHAGENT_HOST_IP"
@@ -349,8 +349,7 @@ class TrainingReporter:
                 self._count("delivered", accepted)
                 self._settle(batch, "rejected", len(batch) - accepted)
                 self._log_limited("rejected", "healthagent rejected %d training reports: HTTP %d%s",
-                                  len(batch) - accepted, exc.code,
-                                  f" (set {ENV_TOKEN} to the agent's training token)" if exc.code == 401 else "")
+                                  len(batch) - accepted, exc.code, _REJECTION_HINTS.get(exc.code, ""))
                 return "rejected"
             self._log_limited("http", "healthagent answered HTTP %d; backing off", exc.code)
             return "http_error"
@@ -358,6 +357,12 @@ class TrainingReporter:
             self._log_limited("unreachable", "healthagent at %s unreachable (%s); backing off",
                               self.endpoint, type(exc).__name__)
             return "unreachable"
+
+
+_REJECTION_HINTS = {
+    401: f" (set {ENV_TOKEN} to the job's token, from the Secret its operator created)",
+    403: f" (the token in {ENV_TOKEN} is for another job: report as the job it names)",
+}
 
 
 def _encode(report: dict) -> bytes:

@@ -142,6 +142,9 @@ class TrainingIntake:
         self._last_fault: float | None = None
         self._evicted = 0
         self._rejected = ErrorTally(source="training_intake")
+        # Evictions are logged like rejections: one line per minute with the running total, so a
+        # client that posts thousands of new job names cannot flood the log.
+        self._evictions = ErrorTally(source="training_intake")
 
     # -- input -------------------------------------------------------------------------------------
 
@@ -156,12 +159,25 @@ class TrainingIntake:
         self._rejected.count(reason, message)
         return IntakeReply(status, {"error": message, "reason": reason, "accepted": 0})
 
-    def submit(self, body: bytes) -> IntakeReply:
-        """Validate and apply a request body; valid reports of a batch count even if others fail."""
+    def submit(self, body: bytes, job: str | None = None) -> IntakeReply:
+        """Validate and apply a request body; valid reports of a batch count even if others fail.
+
+        ``job``: the one job the request's credential may write (a job token), None for any. A
+        body that names another job is refused whole (403, nothing applied): a credential never
+        reaches past its job, not even for part of a batch.
+        """
         try:
             items = parse_body(body)
         except ReportError as exc:
             return self.reject(exc.reason, str(exc))
+        if job is not None:
+            other = next((item["job"] for item in items
+                          if isinstance(item, dict) and "job" in item and item["job"] != job), None)
+            if other is not None:
+                return self.reject("wrong_job", f"this request's token is for job {job!r}, but a "
+                                                f"report names job {str(other)[:160]!r}; report "
+                                                f"as {job!r} (HEALTHAGENT_JOB) or use that job's "
+                                                f"token", 403)
         accepted = 0
         errors: list[dict[str, Any]] = []
         for index, item in enumerate(items):
@@ -249,8 +265,8 @@ class TrainingIntake:
             while len(self._jobs) >= self.max_jobs:
                 evicted, _ = self._jobs.popitem(last=False)
                 self._evicted += 1
-                log.warning("training job=%s evicted: more than max_jobs=%d jobs report to this agent",
-                            evicted, self.max_jobs)
+                self._evictions.count("evicted", f"training job={evicted} evicted: more than "
+                                                 f"max_jobs={self.max_jobs} jobs report to this agent")
             job = self._jobs[name] = JobState(job=name, last_activity=now)
         job.last_activity = now
         self._jobs.move_to_end(name)

@@ -32,7 +32,7 @@ MAX_BATCH = 1_000
 REJECT_REASONS: tuple[str, ...] = (
     "content_type", "length_required", "body_too_large", "malformed_json", "batch_too_large",
     "not_an_object", "unknown_type", "missing_field", "wrong_type", "negative", "not_finite",
-    "out_of_range", "bad_job", "unauthorized",
+    "out_of_range", "bad_job", "unauthorized", "wrong_job",
 )
 
 REPORT_TYPES = ("step", "rendezvous", "end")
@@ -87,6 +87,10 @@ def parse_body(body: bytes) -> list[Any]:
         data = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ReportError("malformed_json", f"body is not UTF-8 JSON: {exc}") from None
+    except RecursionError:  # "[[[[..." deeper than the decoder recurses: bad input, not our bug
+        raise ReportError("malformed_json", "body is not usable JSON: arrays or objects nested too "
+                                            "deeply; a report is one flat object, a batch one array "
+                                            "of them") from None
     if isinstance(data, list):
         if len(data) > MAX_BATCH:
             raise ReportError("batch_too_large",

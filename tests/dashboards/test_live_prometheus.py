@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from healthagent.telemetry.intake_access import job_token
+
 from tests.support.observability import (
     dashboard_queries,
     free_port,
@@ -111,18 +113,22 @@ class Prometheus:
         return http_json(f"{self.url}/api/v1/label/{label}/values?{query}")["data"]
 
 
+TRAINING_KEY = "live-prometheus-training-key"
+
+
 class TrainingRanks:
     """Rank 0 of a job reporting a step every half second, as the rank-side client does."""
 
-    def __init__(self, intake_url: str) -> None:
+    def __init__(self, intake_url: str, token: str) -> None:
         self.url = intake_url
+        self.headers = {"Authorization": f"Bearer {token}"}  # the job's own token, as a rank has it
         self.world_size = 8
         self.step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="test-training-ranks", daemon=True)
 
     def post(self, reports: list[dict]) -> None:
-        reply = http_json(self.url, reports)
+        reply = http_json(self.url, reports, headers=self.headers)
         assert reply["accepted"] == len(reports), reply
 
     def step_report(self) -> dict:
@@ -169,7 +175,7 @@ def live_stack(tmp_path, monkeypatch):
         "efa_interval_seconds": 1, "log_level": "WARNING",
         # A dcgm-exporter that is not there: the dcgm source fails, as HealthagentSourceFailing wants.
         "dcgm_url": f"http://127.0.0.1:{free_port()}/metrics", "dcgm_interval_seconds": 1,
-        "dcgm_timeout_seconds": 0.5,
+        "dcgm_timeout_seconds": 0.5, "training_token": TRAINING_KEY,
     })
     runtime = AgentRuntime(settings)
     runtime.start()
@@ -192,7 +198,8 @@ def test_dashboards_return_data_and_alerts_fire(live_stack):
     from healthagent.demo import stub_nvml
 
     node, runtime, prom = live_stack
-    ranks = TrainingRanks(f"http://127.0.0.1:{runtime.server.port}/v1/training")
+    ranks = TrainingRanks(f"http://127.0.0.1:{runtime.server.intake_port}/v1/training",
+                          job_token(TRAINING_KEY, JOB))
 
     def scraped(expr: str, what: str):
         return wait_for(lambda: prom.query(expr), timeout=DEADLINE, what=f"Prometheus to have {what}")
@@ -220,8 +227,9 @@ def test_dashboards_return_data_and_alerts_fire(live_stack):
     # The job loses two nodes' ranks and goes on at 6; another job stopped stepping long ago.
     ranks.post([{"type": "rendezvous", "job": JOB, "world_size": 6, "reason": "node replaced"}])
     ranks.world_size = 6
-    ranks.post([{"type": "step", "job": STALLED_JOB, "rank": 0, "world_size": 4, "step": 1, "tokens": 1,
-                 "samples": 1, "step_seconds": 1.0, "timestamp": time.time() - 1200}])
+    http_json(ranks.url, [{"type": "step", "job": STALLED_JOB, "rank": 0, "world_size": 4, "step": 1, "tokens": 1,
+                           "samples": 1, "step_seconds": 1.0, "timestamp": time.time() - 1200}],
+              headers={"Authorization": f"Bearer {job_token(TRAINING_KEY, STALLED_JOB)}"})
     ranks.start()
     try:
         _check_alerts(prom)

@@ -3,9 +3,13 @@ scripted fault, checked from what it prints (read back from the running agent an
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,9 +33,13 @@ def test_xid_95_takes_the_node_out_after_the_grace():
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "read 8 GPUs and 32 EFA devices; verdict = none" in out
+    assert "add --keep-running to keep them up" in out  # the URLs die with the demo: it says so
     assert "verdict = replace_node" in out
     assert "[GPU_XID] GPU 2 0000:75:00.0: replace_node" in out
     assert "taint NoSchedule now" in out and "taint NoExecute now" in out
+    # The grace is the time from the NoSchedule taint; the log names that time as such.
+    assert "NoExecute follows once the grace has passed: 3 s after the NoSchedule taint" in out
+    assert "since_taint_seconds=" in done.stderr and "after_grace" not in done.stderr
     assert 'xid="95"} 1.0' in out
     assert 'healthagent_node_action{action="replace_node"} 1.0' in out
 
@@ -53,3 +61,28 @@ def test_prepare_writes_a_root_that_check_reads(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
     assert "GPUs: 8 read" in check.stdout and "EFA devices: 32 read" in check.stdout
     assert "Verdict: none (healthy)" in check.stdout
+
+
+def test_keep_running_serves_both_ports_and_its_job_token_opens_the_intake():
+    if shutil.which("cc") is None:
+        pytest.skip("cc not installed: the demo's stub libnvidia-ml.so.1 cannot be built")
+    demo = subprocess.Popen([sys.executable, "-m", "healthagent", "demo", "--keep-running"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        curl = None
+        for line in demo.stdout:  # ends when the demo exits; it prints the command, then serves
+            if line.strip().startswith("curl "):
+                curl = line
+                break
+        assert curl is not None, "the demo printed no curl command"
+        token = re.search(r"Bearer ([^']+)'", curl).group(1)
+        url = re.search(r"(http://127\.0\.0\.1:\d+/v1/training)", curl).group(1)
+        body = re.search(r"-d '(\{.*\})'", curl).group(1).encode()
+        request = urllib.request.Request(url, data=body, method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert (reply.status, json.loads(reply.read())) == (202, {"accepted": 1})
+    finally:
+        demo.send_signal(signal.SIGINT)
+        demo.wait(60)
+    assert demo.returncode == 0

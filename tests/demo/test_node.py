@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from healthagent.demo import stub_nvml
+from healthagent.demo import DEMO_GPUS, stub_nvml
 from healthagent.demo.node import P5_EFA_BUSES, XID_MESSAGES, build_demo_root
 from healthagent.model import canonical_pci_bus_id
 from healthagent.sources.efa import EfaSource
@@ -80,7 +80,7 @@ def test_gpus_come_from_the_stub_scenario(built):
     copied = json.loads(built.scenario.read_text())
     assert copied["gpus"] == bundled["gpus"]
     assert built.gpu_pci_bus_ids == [canonical_pci_bus_id(g["pci_bus_id"]) for g in bundled["gpus"]]
-    assert len(built.gpu_pci_bus_ids) == 8
+    assert len(built.gpu_pci_bus_ids) == 8 == DEMO_GPUS  # what `demo --gpu` accepts: 0 to 7
     assert built.gpu_pci_bus_ids[0] == "0000:53:00.0"
     assert built.gpu_uuids == [g["uuid"] for g in bundled["gpus"]]
 

@@ -90,10 +90,11 @@ def test_final_stage_runs_healthagent_run_as_a_non_root_default_user():
     assert "CMD" not in keywords  # the DaemonSet passes the flags
 
 
-def test_exposed_port_is_the_daemonset_port(rendered):
+def test_exposed_ports_are_the_daemonset_ports(rendered):
     stage = final_stage(DOCKERFILE.read_text(encoding="utf-8"))
-    (port,) = [a for k, a in stage if k == "EXPOSE"]
-    assert int(port) == agent_container(rendered["generic"])["ports"][0]["containerPort"] == 9410
+    (ports,) = [a for k, a in stage if k == "EXPOSE"]
+    container_ports = {p["name"]: p["containerPort"] for p in agent_container(rendered["generic"])["ports"]}
+    assert sorted(int(p) for p in ports.split()) == sorted(container_ports.values()) == [9410, 9412]
 
 
 def test_oci_labels_and_version():

@@ -84,15 +84,20 @@ def test_nearly_valid_batches_count_every_valid_report(batch):
     check_renders(intake)
 
 
+FUZZ_KEY = "fuzz-training-key"
+
+
 @pytest.fixture(scope="module")
 def server():
+    from healthagent.telemetry.intake_access import IntakeAccess
     from healthagent.telemetry.metrics import Telemetry
     from healthagent.telemetry.server import AgentServer
 
     telemetry = Telemetry("fuzz")
     intake = TrainingIntake()
     telemetry.registry.register(intake)
-    agent = AgentServer(telemetry, intake, "127.0.0.1", 0)
+    agent = AgentServer(telemetry, intake, "127.0.0.1", 0, intake_listen=("127.0.0.1", 0),
+                        access=IntakeAccess("token", FUZZ_KEY))
     agent.start()
     yield agent
     agent.stop()
@@ -104,8 +109,11 @@ def server():
        content_type=st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain",
                                      "", "application/x-www-form-urlencoded"]))
 def test_random_posts_to_the_real_server(server, body, content_type):
-    request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/training", data=body, method="POST",
-                                     headers={"Content-Type": content_type} if content_type else {})
+    headers = {"Authorization": f"Bearer {FUZZ_KEY}"}
+    if content_type:
+        headers["Content-Type"] = content_type
+    request = urllib.request.Request(f"http://127.0.0.1:{server.intake_port}/v1/training", data=body,
+                                     method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as reply:
             status, text = reply.status, reply.read()

@@ -74,12 +74,12 @@ def test_every_row_follows_the_rule(row):
     (43, "monitor", "application-caused"),
     (45, "monitor", "application-caused"),
     (68, "restart_app", "application-caused"),
-    (109, "restart_app", "departs from NVIDIA (RESET_GPU)"),
+    (109, "restart_app", "the default policy restarts the application, where NVIDIA's catalog says RESET_GPU"),
     (48, "reset_gpu", "GPU reset or node reboot"),
-    (63, "replace_node", "departs from NVIDIA (IGNORE)"),
-    (64, "replace_node", "departs from NVIDIA (RESET_GPU)"),
-    (94, "replace_node", "departs from NVIDIA (RESTART_APP)"),
-    (95, "replace_node", "departs from NVIDIA (RESET_GPU)"),
+    (63, "replace_node", "the default policy replaces the node, where NVIDIA's catalog says IGNORE"),
+    (64, "replace_node", "the default policy replaces the node, where NVIDIA's catalog says RESET_GPU"),
+    (94, "replace_node", "the default policy replaces the node, where NVIDIA's catalog says RESTART_APP"),
+    (95, "replace_node", "the default policy replaces the node, where NVIDIA's catalog says RESET_GPU"),
     (79, "reboot_node", "fell off the PCIe bus"),
     (154, "monitor", "recovery action"),
 ])
@@ -162,7 +162,7 @@ def test_explain_names_row_bucket_action_rule_and_steps():
     assert "ROBUST_CHANNEL_CONTAINED_ERROR" in text
     assert "RESTART_APP (investigatory: IGNORE (sympathetic))" in text
     assert "Our action: replace_node" in text
-    assert "product promise" in text
+    assert "Decided by: the default policy replaces the node, where NVIDIA's catalog says RESTART_APP" in text
     assert "What to do:" in text and "nvidia-bug-report.sh" in text
     assert "docs/findings.md#gpu_xid" in text
 
@@ -182,3 +182,21 @@ def test_explain_154_describes_the_text_rule():
     policy = Policy()
     text = explain(154, load_catalog(policy), policy)
     assert "Node Reboot Required' -> reboot_node" in text
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r["note"]], ids=lambda r: f"xid{r['xid']}")
+def test_notes_speak_to_the_reader(row):
+    """A note is what an operator reads in check, the Events and explain: what the default policy
+    does and what NVIDIA's catalog says, never words meant for the people who wrote it."""
+    for words in ("promise", "product", "departs"):
+        assert words not in row["note"], row["note"]
+
+
+def test_explain_what_to_do_names_no_unknown_gpu_and_never_itself():
+    policy = Policy()
+    catalog = load_catalog(policy)
+    for number in (48, 74, 109, 154, 94, 13, 92):
+        steps = explain(number, catalog, policy).split("What to do: ", 1)[1].split("\n", 1)[0]
+        assert "unknown GPU" not in steps and "healthagent explain" not in steps, (number, steps)
+    assert "the GPU that logged it" in explain(48, catalog, policy)
+    assert "Node Reboot Required" in explain(154, catalog, policy).split("What to do: ", 1)[1]

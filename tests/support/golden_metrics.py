@@ -226,6 +226,7 @@ def render_demo_node(workdir: Path) -> dict[str, bytes]:
         "nvml_interval_seconds": CYCLE_SECONDS, "efa_interval_seconds": CYCLE_SECONDS,
         # A bound on a hang only: a slow machine must not turn a collection into "hung".
         "source_timeout_seconds": 120,
+        "training_intake": "open",  # the reports below carry no token; the scrape is the subject
     })
     clock = FakeClock(NOW)
     with ExitStack() as stack:
@@ -254,7 +255,7 @@ def render_demo_node(workdir: Path) -> dict[str, bytes]:
         agent.cycle()  # XID 94 from the kernel log, GPU 3's counters from NVML
         _wait(lambda: worker.status.taint_effect == "NoSchedule", "the dry-run taint")
         worker.stop(WAIT_SECONDS)  # nothing changes the kube status after this
-        _post(url + TRAINING_PATH, _training_reports())
+        _post(f"http://127.0.0.1:{server.intake_port}" + TRAINING_PATH, _training_reports())
         clock.advance(CYCLE_SECONDS)
         agent.cycle()  # publishes the kube status the worker reached
         return {golden.name: _get(url + "/metrics", golden.accept) for golden in GOLDEN_FILES}

@@ -126,14 +126,21 @@ def proc_rss_kib(pid: int | str = "self") -> int:
 class AgentProcess:
     """``python -m healthagent run`` as the DaemonSet runs it, with its stderr in a log file."""
 
-    def __init__(self, flags: dict[str, Any], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, flags: dict[str, Any], log_path: Path, env: dict[str, str] | None = None,
+                 python: str | None = None) -> None:
+        """``python``: the interpreter to run (default this one), e.g. a venv holding only what
+        the production image installs."""
         flags = dict(flags)
         if str(flags.get("listen", "127.0.0.1:0")).endswith(":0"):
             # a port picked here, so the log level does not matter; the race with another
             # process binding it in between is one nobody on a test machine loses
             flags["listen"] = f"127.0.0.1:{free_port()}"
         self.port = int(str(flags["listen"]).rsplit(":", 1)[1])
-        argv = [sys.executable, "-m", "healthagent", "run"]
+        # The training intake has a port of its own (default 9412): a free one too, so agents of
+        # tests running side by side never compete for it.
+        self.intake_port = free_port()
+        argv = [python or sys.executable, "-m", "healthagent", "run", "--set",
+                f"training_listen=127.0.0.1:{self.intake_port}"]
         for key, value in flags.items():
             if value is None or value is False:
                 continue
@@ -255,7 +262,7 @@ class HoldingKubeFake(KubeFake):
         super().stop()
 
     def handle(self, method: str, path: str, query: dict[str, str], content_type: str,
-               body: Any) -> tuple[int, Any]:
+               body: Any, accept: str = "") -> tuple[int, Any]:
         with self._lock:
             entry = next((h for h in self._holds if not h.arrived.is_set() and h.matches(method, path, body)),
                          None)
@@ -267,7 +274,7 @@ class HoldingKubeFake(KubeFake):
             if not entry.apply:
                 return 500, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500,
                              "reason": "InternalError", "message": "held by the test and failed"}
-        return super().handle(method, path, query, content_type, body)
+        return super().handle(method, path, query, content_type, body, accept)
 
 
 def taint_write(taint_key: str) -> Callable[[str, str, Any], bool]:

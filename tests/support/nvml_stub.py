@@ -150,6 +150,21 @@ class _Driver:
         self.source.close()
         return {"thread_alive": bool(thread and thread.alive)}
 
+    def op_deny_handle(self, gpu: int) -> None:
+        """Make ``nvmlDeviceGetHandleByIndex(gpu)`` answer NO_PERMISSION (a fault injected in this
+        process: the stub library has no switch for it, and a real driver answers it for a GPU the
+        container's device cgroup does not allow)."""
+        import pynvml
+
+        real = pynvml.nvmlDeviceGetHandleByIndex
+
+        def denied(index):
+            if int(index) == gpu:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+            return real(index)
+
+        pynvml.nvmlDeviceGetHandleByIndex = denied
+
     # scenario mutations (the public helpers)
     def op_inject_xid(self, gpu: int, xid: int, **kwargs: Any) -> int:
         return self.stub_nvml.inject_xid(self.scenario, gpu, xid, **kwargs)

@@ -200,12 +200,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(url: str, payload=None, timeout: float = 10.0):
+def http_json(url: str, payload=None, timeout: float = 10.0, headers: dict[str, str] | None = None):
     """GET (or POST ``payload`` as JSON) and decode the JSON reply."""
     import urllib.request
 
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=timeout) as reply:
         body = reply.read()
     return json.loads(body) if body else None

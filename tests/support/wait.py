@@ -1,6 +1,6 @@
 """The one poll helper of the test suite: wait for a condition with a generous deadline.
 
-The deadline only bounds a hang (house rule: no test asserts how long anything took), so it is
+The deadline only bounds a hang (no test asserts how long anything took), so it is
 long, and the poll interval is short so a test that can pass does so quickly.
 """
 

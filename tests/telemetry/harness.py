@@ -1,5 +1,6 @@
-"""Test harness for the telemetry tests: a real AgentServer on 127.0.0.1 with its own registry,
-injected clocks (polling lives in tests/support/wait.py)."""
+"""Test harness for the telemetry tests: a real AgentServer on 127.0.0.1 (the agent's port and the
+training intake's, both free ports) with its own registry, injected clocks (polling lives in
+tests/support/wait.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from healthagent.telemetry.intake_access import IntakeAccess
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
 from healthagent.telemetry.training_intake import TrainingIntake
@@ -47,11 +49,18 @@ class RunningAgent:
 
     @property
     def url(self) -> str:
+        """The agent's own port: /metrics, /healthz, /readyz."""
         return f"http://127.0.0.1:{self.server.port}"
 
+    @property
+    def intake_url(self) -> str:
+        """The training intake's port (POST /v1/training)."""
+        return f"http://127.0.0.1:{self.server.intake_port}"
+
     def request(self, path: str, *, method: str = "GET", body: bytes | None = None,
-                headers: dict | None = None) -> Reply:
-        req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers or {})
+                headers: dict | None = None, base: str | None = None) -> Reply:
+        req = urllib.request.Request((base or self.url) + path, data=body, method=method,
+                                     headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=10) as reply:
                 data = reply.read()
@@ -62,20 +71,27 @@ class RunningAgent:
             data = gzip.decompress(data)
         return Reply(status, reply_headers, data)
 
-    def post_json(self, body: bytes | str, content_type: str = "application/json") -> Reply:
+    def post_json(self, body: bytes | str, content_type: str = "application/json",
+                  token: str | None = None) -> Reply:
         data = body.encode() if isinstance(body, str) else body
-        return self.request("/v1/training", method="POST", body=data,
-                            headers={"Content-Type": content_type})
+        headers = {"Content-Type": content_type}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        return self.request("/v1/training", method="POST", body=data, headers=headers, base=self.intake_url)
 
     def scrape(self, accept: str | None = None) -> Reply:
         return self.request("/metrics", headers={"Accept": accept} if accept else {})
 
 
-def start_agent(port: int = 0, **server_options) -> RunningAgent:
+def start_agent(port: int = 0, *, intake_port: int = 0, intake: str = "open", key: str = "",
+                **server_options) -> RunningAgent:
+    """Both listeners on loopback (port 0: a free one); ``intake``/``key``: the intake's mode and
+    training key (open by default here, so a test about reports need not carry a token)."""
     clock, monotonic = FakeClock(), FakeClock(1000.0)
     telemetry = Telemetry("9.9.9")
-    intake = TrainingIntake(max_jobs=4, idle_seconds=3600.0, clock=clock)
-    telemetry.registry.register(intake)
-    server = AgentServer(telemetry, intake, "127.0.0.1", port, monotonic=monotonic, **server_options)
+    training = TrainingIntake(max_jobs=4, idle_seconds=3600.0, clock=clock)
+    telemetry.registry.register(training)
+    server = AgentServer(telemetry, training, "127.0.0.1", port, intake_listen=("127.0.0.1", intake_port),
+                         access=IntakeAccess(intake, key), monotonic=monotonic, **server_options)
     server.start()
-    return RunningAgent(telemetry, intake, server, clock, monotonic)
+    return RunningAgent(telemetry, training, server, clock, monotonic)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from healthagent.config import load_settings
+from healthagent.telemetry.intake_access import job_token
 from healthagent.telemetry.training_client import TrainingReporter
 from tests.support.wait import wait_for
 from tests.telemetry.contract import CONTRACT, EXTRAS, parse, sample_value
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.integration
 # Kubernetes in dry-run makes no API writes; a healthy source counts no errors.
 NO_SAMPLES_ON_THE_DEMO_NODE = {"sxid_errors_total", "gpu_retired_pages", "gpu_retired_pages_pending",
                                "kube_writes_total", "source_errors_total"}
+KEY = "0123456789abcdef-training-key"
 
 
 def scrape(port: int) -> dict:
@@ -50,7 +52,7 @@ def runtime(tmp_path: Path, monkeypatch):
         "host_root": str(node.root), "kube": "dry-run", "listen": "127.0.0.1:0",
         "state_file": str(tmp_path / "state.json"), "node_name": "demo-p5-node", "expected_gpus": 8,
         "expected_efa_devices": len(node.efa_devices), "nvml_interval_seconds": 0.2,
-        "efa_interval_seconds": 0.2,
+        "efa_interval_seconds": 0.2, "training_token": KEY,
     })
     running = AgentRuntime(settings)
     running.start()
@@ -65,11 +67,14 @@ def test_a_running_agent_on_the_demo_node_exports_the_contract(runtime):
                and len(running.telemetry.snapshot.efa) == 32 and len(running.telemetry.snapshot.gpus) == 8,
                what="the agent to read 8 GPUs and 32 EFA devices")
     node.inject_xid(3, 79)
-    reporter = TrainingReporter(job="llama", url=f"http://127.0.0.1:{port}", rank=0, world_size=64)
+    # The intake is closed by default: the job's token (derived from the key) opens it for "llama".
+    reporter = TrainingReporter(job="llama", url=f"http://127.0.0.1:{running.server.intake_port}", rank=0,
+                                world_size=64, token=job_token(KEY, "llama"))
     reporter.report_rendezvous(64)
     for step in range(1, 6):
         reporter.report_step(step, tokens=4096, samples=8, step_seconds=1.0)
     reporter.close(timeout=30)
+    assert reporter.stats().delivered == 6
     wait_for(lambda: any(79 in f.xids for f in running.agent.verdict.findings), what="XID 79 to be found")
     wait_for(lambda: running.telemetry.snapshot.verdict is not None
                and running.telemetry.snapshot.verdict.action.value != "none", what="the verdict to be published")

@@ -109,7 +109,7 @@ def torch_logger(name: str, handler: logging.Handler) -> logging.Logger:
 
 @pytest.fixture
 def wired(agent):
-    reporter = TrainingReporter(url=agent.url, env={})
+    reporter = TrainingReporter(url=agent.intake_url, env={})
     handler = ElasticEventHandler(reporter, nproc_per_node=8, env={})
     rdzv_log = torch_logger("dynamic_rendezvous", handler)
     events_log = torch_logger("healthagent", handler)
@@ -177,7 +177,7 @@ def test_event_objects_are_accepted_as_well_as_their_json(wired):
 
 
 def test_without_ranks_per_node_the_rendezvous_has_no_world_size(agent):
-    reporter = TrainingReporter(url=agent.url, env={})
+    reporter = TrainingReporter(url=agent.intake_url, env={})
     handler = ElasticEventHandler(reporter, job="fixed-name", env={})
     torch_logger("dynamic_rendezvous", handler).info(joined(4).serialize())
     reporter.close(timeout=30)
@@ -204,7 +204,7 @@ def test_metric_handler_maps_rendezvous_and_run_success_and_forwards(agent):
         def emit(self, metric_data):
             forwarded.append(metric_data.name)
 
-    reporter = TrainingReporter(url=agent.url, env={})
+    reporter = TrainingReporter(url=agent.intake_url, env={})
     handler = ElasticMetricHandler(reporter, job="llama", forward=Console(), env={})
     for name, value in (("SimpleElasticAgent._rendezvous.success", 1),
                         ("SimpleElasticAgent._rendezvous.duration.ms", 1500),
@@ -252,7 +252,7 @@ def test_install_registers_the_handler_under_both_keys(monkeypatch, agent):
                          ("torch.distributed.elastic.events.handlers", handlers_module)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delenv("PET_EVENT_LOG_HANDLER", raising=False)
-    reporter = TrainingReporter(url=agent.url, env={})
+    reporter = TrainingReporter(url=agent.intake_url, env={})
     handler = install_elastic_hooks(reporter, nproc_per_node=8)
     assert isinstance(handler, ElasticEventHandler)
     assert handlers_module._log_handlers["healthagent"] is handler

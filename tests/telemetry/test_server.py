@@ -1,4 +1,4 @@
-"""The agent's HTTP server, started for real on 127.0.0.1 (port 0)."""
+"""The agent's HTTP server, started for real on 127.0.0.1: the agent's port and the intake's."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import socket
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
+from healthagent.telemetry.http_listener import Limits
+from healthagent.telemetry.intake_access import job_token
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
 from tests.support.wait import wait_for
@@ -83,30 +85,54 @@ def test_gzip_when_asked(agent):
 
 @pytest.mark.parametrize("method,path,status", [
     ("GET", "/nope", 404),
-    ("GET", "/v1/training", 405),
+    ("GET", "/v1/training", 404),
     ("POST", "/metrics", 405),
     ("DELETE", "/healthz", 405),
     ("PUT", "/readyz", 405),
 ])
-def test_unknown_paths_and_methods(agent, method, path, status):
+def test_unknown_paths_and_methods_on_the_agents_port(agent, method, path, status):
     reply = agent.request(path, method=method, body=b"" if method in ("POST", "PUT") else None)
     assert reply.status == status
     if status == 405:
-        assert reply.headers["Allow"] in ("GET", "POST")
+        assert reply.headers["Allow"] == "GET"
+
+
+def test_the_agents_port_points_reports_to_the_intakes_port(agent):
+    reply = agent.request("/v1/training", method="POST", body=b"{}", headers={"Content-Type": "application/json"})
+    assert reply.status == 404 and f"port {agent.server.intake_port}" in reply.text
+    assert agent.intake.jobs() == []
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/metrics", 404),
+    ("GET", "/healthz", 404),
+    ("GET", "/v1/training", 405),
+    ("PUT", "/v1/training", 405),
+])
+def test_the_intakes_port_serves_only_reports(agent, method, path, status):
+    reply = agent.request(path, method=method, body=b"" if method == "PUT" else None, base=agent.intake_url)
+    assert reply.status == status
+    if status == 405:
+        assert reply.headers["Allow"] == "POST"
+    else:
+        assert "only POST /v1/training" in reply.text
 
 
 def test_query_strings_are_ignored(agent):
     assert agent.request("/healthz?verbose=1").status == 200
 
 
-def test_garbage_and_half_requests_do_not_kill_the_server(agent):
+@pytest.mark.parametrize("listener", ["agent", "intake"])
+def test_garbage_and_half_requests_do_not_kill_the_server(agent, listener):
+    port = agent.server.port if listener == "agent" else agent.server.intake_port
     for junk in (b"\x00\xff garbage\r\n\r\n", b"GET", b"POST /v1/training HTTP/1.1\r\nContent-Length: 50\r\n"
                  b"Content-Type: application/json\r\n\r\n{\"type\":"):
-        with socket.create_connection(("127.0.0.1", agent.server.port), timeout=5) as conn:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
             conn.sendall(junk)
             conn.shutdown(socket.SHUT_WR)
             conn.recv(4096)
     assert agent.request("/healthz").status == 200
+    assert agent.post_json('{"type":"end","job":"j"}').status == 202
 
 
 def test_training_route_checks_content_type_length_and_size(agent):
@@ -116,7 +142,7 @@ def test_training_route_checks_content_type_length_and_size(agent):
     assert len(big) > agent.server.max_body_bytes
     reply = agent.post_json(big)
     assert reply.status == 413 and "limit" in json.loads(reply.body)["error"]
-    with socket.create_connection(("127.0.0.1", agent.server.port), timeout=5) as conn:
+    with socket.create_connection(("127.0.0.1", agent.server.intake_port), timeout=5) as conn:
         conn.sendall(b"POST /v1/training HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         assert conn.recv(4096).startswith(b"HTTP/1.0 411")
@@ -129,7 +155,8 @@ def test_training_route_checks_content_type_length_and_size(agent):
 
 def test_connections_over_the_cap_are_refused_and_the_server_recovers():
     telemetry = Telemetry("1")
-    server = AgentServer(telemetry, None, "127.0.0.1", 0, max_connections=2)
+    server = AgentServer(telemetry, None, "127.0.0.1", 0,
+                         agent_limits=Limits(max_connections=2, max_per_client=8))
     server.start()
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
     try:
@@ -154,30 +181,71 @@ def test_connections_over_the_cap_are_refused_and_the_server_recovers():
     assert set(server.errors) == {"refused"} and server.errors["refused"] >= 1
 
 
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "Bearer s3cret-tokenX", "s3cret-token",
-                                           "Basic czNjcmV0LXRva2Vu"])
-def test_a_training_token_keeps_out_reports_without_it(authorization):
-    agent = start_agent(training_token="s3cret-token")
+KEY = "s3cret-cluster-key"
+
+
+def post_as(agent, authorization: str | None, body: bytes = b'{"type":"end","job":"j"}'):
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    return agent.request("/v1/training", method="POST", body=body, headers=headers, base=agent.intake_url)
+
+
+@pytest.fixture
+def closed():
+    """An intake in its default mode with a training key: job tokens and the key open it."""
+    running = start_agent(intake="token", key=KEY)
+    yield running
+    running.server.stop()
+
+
+@pytest.mark.parametrize("authorization", [
+    None, "Bearer wrong", f"Bearer {KEY}X", KEY, "Basic czNjcmV0LWNsdXN0ZXIta2V5",
+    f"Bearer {job_token('another-key', 'j')}",  # a token minted from another cluster's key
+    f"Bearer {job_token(KEY, 'j')[:-2]}",  # a job token with its MAC cut short
+])
+def test_without_a_valid_token_nothing_is_applied(closed, authorization):
+    reply = post_as(closed, authorization)
+    assert reply.status == 401
+    assert reply.headers["WWW-Authenticate"].startswith("Bearer")
+    assert json.loads(reply.body)["reason"] == "unauthorized"
+    assert closed.intake.jobs() == []  # nothing applied
+    assert 'healthagent_training_reports_rejected_total{reason="unauthorized"} 1.0' in closed.scrape().text
+    # /metrics and the probes need no token (the kubelet, Prometheus).
+    assert closed.request("/healthz").status == 200 and closed.scrape().status == 200
+
+
+def test_a_job_token_writes_its_job_and_no_other(closed):
+    token = f"Bearer {job_token(KEY, 'llama')}"
+    assert post_as(closed, token, b'{"type":"end","job":"llama"}').status == 202
+    both = json.dumps([{"type": "end", "job": "llama"}, {"type": "end", "job": "victim"}]).encode()
+    reply = post_as(closed, token, both)
+    assert reply.status == 403
+    assert json.loads(reply.body)["reason"] == "wrong_job" and "'llama'" in json.loads(reply.body)["error"]
+    assert closed.intake.jobs() == ["llama"]  # not even the batch's own report was applied
+    assert 'healthagent_training_reports_rejected_total{reason="wrong_job"} 1.0' in closed.scrape().text
+
+
+def test_the_training_key_itself_writes_every_job(closed):
+    for job in ("llama", "mistral"):
+        assert post_as(closed, f"Bearer {KEY}", json.dumps({"type": "end", "job": job}).encode()).status == 202
+    assert closed.intake.jobs() == ["llama", "mistral"]
+
+
+def test_without_a_key_the_default_intake_accepts_nothing_and_says_why():
+    agent = start_agent(intake="token", key="")
     try:
-        headers = {"Content-Type": "application/json"}
-        if authorization is not None:
-            headers["Authorization"] = authorization
-        reply = agent.request("/v1/training", method="POST", body=b'{"type":"end","job":"j"}', headers=headers)
-        assert reply.status == 401
-        assert reply.headers["WWW-Authenticate"].startswith("Bearer")
-        assert json.loads(reply.body)["reason"] == "unauthorized"
-        assert agent.intake.jobs() == []  # nothing applied
-        assert 'healthagent_training_reports_rejected_total{reason="unauthorized"} 1.0' in agent.scrape().text
-        # The token opens the intake; /metrics and the probes stay open (kubelet, Prometheus).
-        good = agent.request("/v1/training", method="POST", body=b'{"type":"end","job":"j"}',
-                             headers={"Content-Type": "application/json", "Authorization": "Bearer s3cret-token"})
-        assert good.status == 202 and agent.intake.jobs() == ["j"]
-        assert agent.request("/healthz").status == 200 and agent.scrape().status == 200
+        for authorization in (None, "Bearer anything", f"Bearer {job_token('guess', 'j')}"):
+            reply = post_as(agent, authorization)
+            assert reply.status == 401
+            assert "training key is not set" in json.loads(reply.body)["error"]
+            assert "healthagent-training" in json.loads(reply.body)["error"]
+        assert agent.intake.jobs() == []
     finally:
         agent.server.stop()
 
 
-def test_without_a_token_the_intake_needs_no_authorization(agent):
+def test_an_open_intake_needs_no_authorization(agent):
     reply = agent.post_json('{"type":"end","job":"j"}')
     assert reply.status == 202
     assert 'healthagent_training_reports_rejected_total{reason="unauthorized"} 0.0' in agent.scrape().text

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.bench_training_client import NeverAnswers
+from healthagent.telemetry.intake_access import job_token
 from healthagent.telemetry.training_client import (
     TrainingReporter,
     agent_base_url,
@@ -42,8 +43,8 @@ def steps_counted(agent: RunningAgent, job: str = "llama") -> int:
 @pytest.mark.integration
 def test_ten_thousand_steps_through_an_agent_stop_and_restart():
     first = start_agent()
-    port = first.server.port
-    reporter = TrainingReporter(job="llama", url=first.url, rank=0, world_size=8, queue_size=2000,
+    port = first.server.intake_port
+    reporter = TrainingReporter(job="llama", url=first.intake_url, rank=0, world_size=8, queue_size=2000,
                                 batch_size=200, timeout_seconds=5.0, min_backoff_seconds=0.01,
                                 max_backoff_seconds=0.05)
     stopped, restarted = threading.Event(), threading.Event()
@@ -77,7 +78,7 @@ def test_ten_thousand_steps_through_an_agent_stop_and_restart():
         # before the agent comes back (a bound on a hang, not a timing).
         wait_for(lambda: reporter.stats().send_errors >= 1, timeout=120,
                  what="the sender to notice the stopped agent")
-        second = start_agent(port)  # the restarted agent listens where the first one did
+        second = start_agent(intake_port=port)  # the restarted agent listens where the first one did
         restarted.set()
         loop.join(120)
         assert not loop.is_alive()
@@ -143,7 +144,7 @@ def test_a_down_agent_costs_nothing_but_drops():
 
 @pytest.mark.integration
 def test_rejected_reports_are_counted_not_retried(agent):
-    reporter = TrainingReporter(job="bad\tjob", url=agent.url, rank=0, world_size=2)
+    reporter = TrainingReporter(job="bad\tjob", url=agent.intake_url, rank=0, world_size=2)
     reporter.report_step(1, step_seconds=1.0)
     reporter.report_step(2, step_seconds=1.0, job="good")
     reporter.close(timeout=30)
@@ -154,7 +155,7 @@ def test_rejected_reports_are_counted_not_retried(agent):
 
 @pytest.mark.integration
 def test_every_report_kind_reaches_the_agent(agent):
-    reporter = TrainingReporter(job="llama", url=agent.url, rank=3, world_size=16)
+    reporter = TrainingReporter(job="llama", url=agent.intake_url, rank=3, world_size=16)
     assert reporter.report_rendezvous(16, reason="scale_up")
     assert reporter.report_step(1, tokens=100, samples=2, step_seconds=1.5)
     assert reporter.report_step(2, tokens=100, samples=2)  # timed by the client
@@ -213,9 +214,9 @@ def test_the_first_auto_timed_step_reports_zero_seconds():
 
 @pytest.mark.parametrize("env,url", [
     ({"HEALTHAGENT_URL": "http://10.1.2.3:9999/", "HEALTHAGENT_HOST_IP": "10.9.9.9"}, "http://10.1.2.3:9999"),
-    ({"HEALTHAGENT_HOST_IP": "10.0.0.5"}, "http://10.0.0.5:9410"),
-    ({"HEALTHAGENT_HOST_IP": "fd00::5"}, "http://[fd00::5]:9410"),
-    ({}, "http://127.0.0.1:9410"),
+    ({"HEALTHAGENT_HOST_IP": "10.0.0.5"}, "http://10.0.0.5:9412"),
+    ({"HEALTHAGENT_HOST_IP": "fd00::5"}, "http://[fd00::5]:9412"),
+    ({}, "http://127.0.0.1:9412"),
 ])
 def test_agent_url_from_the_environment(env, url):
     assert agent_base_url(env) == url
@@ -273,20 +274,27 @@ def test_close_is_idempotent_and_never_raises():
 
 
 @pytest.mark.integration
-def test_the_client_sends_the_training_token_from_the_environment():
-    protected = start_agent(training_token="s3cret-token")
+def test_the_client_sends_the_job_token_from_the_environment():
+    """The stdlib client, unchanged, against an agent that is closed by default: the job's token
+    from HEALTHAGENT_TRAINING_TOKEN opens it for that job; no token is a clean 401 and another
+    job's token a clean 403 (each read by the client, not a reset), counted as rejected."""
+    protected = start_agent(intake="token", key="cluster-key-0123456789")
     try:
-        url = protected.url
+        url = protected.intake_url
+        token = job_token("cluster-key-0123456789", "llama")
         with_token = TrainingReporter(job="llama", url=url, rank=0, world_size=2,
-                                      env={"HEALTHAGENT_TRAINING_TOKEN": "s3cret-token"})
+                                      env={"HEALTHAGENT_TRAINING_TOKEN": token})
         without = TrainingReporter(job="other", url=url, rank=0, world_size=2, env={})
-        for reporter in (with_token, without):
+        wrong_job = TrainingReporter(job="other", url=url, rank=0, world_size=2,
+                                     env={"HEALTHAGENT_TRAINING_TOKEN": token})
+        for reporter in (with_token, without, wrong_job):
             for step in range(1, 300):  # a body of tens of KiB behind the 401: read, not reset
                 reporter.report_step(step, tokens=4096, samples=8, step_seconds=1.0)
             reporter.close(timeout=30)
         assert with_token.stats().delivered == 299 and with_token.stats().rejected == 0
-        assert without.stats().delivered == 0 and without.stats().rejected == 299
-        assert without.stats().send_errors == 0  # a clean 401, not a reset connection
+        for refused in (without, wrong_job):
+            assert refused.stats().delivered == 0 and refused.stats().rejected == 299
+            assert refused.stats().send_errors == 0  # a clean 4xx, not a reset connection
         assert protected.intake.jobs() == ["llama"]
     finally:
         protected.server.stop()
