@@ -34,8 +34,8 @@ dashboard = build_dashboard(
                  thresholds=GREEN_RED),
             stat("Nodes tainted", "Nodes on which the agent's own taint is applied.",
                  [target(f"sum({sel('healthagent_node_taint_applied')})")], thresholds=GREEN_RED),
-            stat("Budget holding back", "Nodes whose taint the cluster-wide disruption budget holds back: "
-                 "they need action and are still in their jobs.",
+            stat("Budget holding back", "Nodes the cluster-wide disruption budget holds at NoSchedule: "
+                 "they need action and their running pods are still in their jobs.",
                  [target(f"sum({sel('healthagent_budget_holding_taint')})")], thresholds=GREEN_RED),
             stat("GPUs lost", "GPUs NVML reports lost (healthagent_gpu_up == 0).",
                  [target(f"count({sel('healthagent_gpu_up')} == 0) or vector(0)")], thresholds=GREEN_RED),
@@ -72,7 +72,7 @@ dashboard = build_dashboard(
                         target(f"clamp_min(max by (node) ({sel('healthagent_gpus_expected')})"
                                f" - count by (node) ({sel('healthagent_gpu_up')}), 0)", "{{node}} missing")],
                        step=True),
-            timeseries("Taints and budget", "Nodes tainted by the agent, nodes held back by the budget, and "
+            timeseries("Taints and budget", "Nodes tainted by the agent, nodes the budget holds at NoSchedule, and "
                        "how often the budget said no.",
                        [target(f"sum({sel('healthagent_node_taint_applied')})", "tainted"),
                         target(f"sum({sel('healthagent_budget_holding_taint')})", "held back by budget"),

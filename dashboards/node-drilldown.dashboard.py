@@ -34,7 +34,7 @@ dashboard = build_dashboard(
                  text_mode="name"),
             stat("Taint applied", "1 while the agent's own taint is on the node.",
                  [target(f"max({sel('healthagent_node_taint_applied')})")], thresholds=GREEN_RED),
-            stat("Budget holding back", "1 while the disruption budget holds this node's taint back.",
+            stat("Budget holding back", "1 while the disruption budget holds this node at NoSchedule, waiting for a slot.",
                  [target(f"max({sel('healthagent_budget_holding_taint')})")], thresholds=GREEN_RED),
             stat("Kubernetes reachable", "Whether the agent reaches the API server, and writes it still owes.",
                  [target(f"max({sel('healthagent_kube_reachable')})", "reachable"),

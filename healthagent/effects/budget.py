@@ -1,36 +1,46 @@
-"""Cluster-wide circuit breaker for the disruptive taint.
+"""Cluster-wide circuit breaker for the disruptive steps: the rule, and the slots that make it exact.
 
-A bug in the agent or a bad driver roll-out can make every node look broken at once; tainting them
-all would drain the cluster. Before ADDING its taint, an agent lists the GPU nodes
-(``budget_node_selector``) and counts those already carrying the agent's taint key. The taint is
-allowed while ``tainted + 1 <= limit`` with ``limit = max(1, floor(budget_max_fraction * total))``,
-capped by ``budget_max_nodes`` when set. At the default 10%, a cluster of 20 GPU nodes allows 2:
-the 3rd node is held back. Over budget, the agent reports (metric, Event, log line, label and
-conditions still say what is wrong) but does not taint.
+A bug in the agent or a bad driver roll-out can make every node look broken at once; taking them
+all out would drain the cluster. So at most ``limit`` GPU nodes take the agent's disruptive step
+at once, with ``limit = max(1, floor(budget_max_fraction * gpu_nodes))``, capped by
+``budget_max_nodes`` when set (0 = never). At the default 10%, a cluster of 20 GPU nodes allows 2:
+the 3rd is held. The disruptive steps are NoExecute after the grace (the job's pods are evicted),
+HyperPod's ``UnschedulablePending*`` value and, in the ``eks`` vocabulary, a condition's ``False``
+(each makes something reboot or replace the node). NoSchedule is not one: every node with a
+node action gets it at once, so new pods stay off a faulty GPU while running pods are untouched.
+A held node keeps NoSchedule and reports (metric, Event, log line; label and conditions say what
+is wrong). Removing a taint, a label or a condition never asks: the budget never blocks healing.
 
-The budget never blocks healing: removing a taint, a label or a condition always proceeds, and a
-taint already on the node may change effect (NoSchedule -> NoExecute) without asking.
+The budget is a fixed set of ``coordination.k8s.io`` Lease objects in the agent's namespace, one
+per unit of the limit: ``healthagent-budget-slot-0`` .. ``-<limit - 1>``. A node may take its
+disruptive step only while it holds a slot (``spec.holderIdentity`` = its node name). It asks for
+one when it is first tainted, so the slot is reserved while the job gets its grace. It takes a
+free one with a write the API server applies only to the version it read (a create, which fails
+when the Lease exists, or an update carrying the ``resourceVersion`` read), so two agents racing
+for one slot cannot both win: the loser gets a 409 and looks again. More holders than slots
+cannot exist, so the number of nodes past NoSchedule never passes the limit, however many agents
+decide in the same millisecond. No node list is needed: a decision reads the few Leases of the
+budget.
 
-Two agents deciding at once can both see ``limit - 1`` tainted nodes and both taint. So after
-adding its taint an agent lists again; if more than ``limit`` nodes carry the key, the nodes are
-ordered by the taint's ``timeAdded`` (then by name) and every node past the first ``limit`` removes
-its own taint again. Every agent sorts the same timestamps read from the same node objects, so they
-agree on the order and the oldest decisions stand. No database: the node objects are the shared
-record. A peer's write can land just after this agent's re-count (its ``timeAdded``, taken from its
-own clock before the write, may even be older), so the agent counts once more
-``budget_recheck_seconds`` later and applies the same rule.
+A slot comes back when its holder's node loses the taint (healed, cleared) or no longer has a
+disruptive step ahead, or is deleted. A holder that cannot give it back (its agent is gone with
+its node) is *stale*, and an agent that finds every slot held may reclaim one stale slot per
+decision, after one GET of that holder's node: stale means the node is gone (404), or it has
+carried no taint of the agent's for ``SLOT_GRACE_SECONDS`` since the slot was last written (a slot
+is taken a moment BEFORE the node's taint lands, so a young slot without the taint is a decision
+in flight, not a leak). Right after its first node write with a new slot lands, the holder
+rewrites its slot (``renewTime``), and a reclaim that read the slot before that write fails with a
+409; a holder whose rewrite fails because its slot was reclaimed goes back to NoSchedule. So even
+a reclaim racing a slow holder never leaves two disruptive nodes on one slot.
 
-What a count costs the API server: a LIST of the GPU nodes. The count before tainting (and every
-re-check while blocked) asks with ``resourceVersion=0``, which the API server answers from its
-watch cache instead of a quorum read from etcd; the re-counts after tainting ask for a list not
-older than the agent's own write (``resourceVersionMatch=NotOlderThan``), also served from the
-cache, because a cache that lags behind would hide the very taint the re-count must see. The
-interval to the next count (a blocked node's re-check, the late re-count) is jittered
-(``recheck_delay``) so agents blocked in the same moment - a mass failure - do not list together.
-And a blocked agent re-checks less often the more nodes wait with it (``recheck_interval``): the
-fleet's re-checks stay near ``FLEET_RECHECKS_PER_SECOND`` however many nodes are blocked, while
-some blocked node still re-checks about that often, so a freed slot is taken as soon as before.
-Which waiting node gets it does not matter: all of them are faulty.
+The fraction needs the number of GPU nodes. Counting them on every decision is what made the old
+budget cost a whole node list per agent; here the count is shared: one more Lease,
+``healthagent-budget-count``, holds it (annotation ``healthagent.io/gpu-nodes``, ``renewTime`` =
+when counted) for the whole fleet. One agent re-counts when it is older than
+``COUNT_MAX_AGE_SECONDS`` (claiming the re-count first with a guarded write, so a thousand agents
+that find it old at once count once), using a server-side Table of the selected nodes without
+their objects (a few hundred bytes a node instead of ~10 kB). Until a count exists, the limit is
+the smallest one (1, or ``budget_max_nodes`` when that is 0).
 """
 
 from __future__ import annotations
@@ -38,26 +48,30 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
-from healthagent.effects.node_desired import (
-    HEALTH_LABEL,
-    REBOOT_REQUIRED,
-    REPLACE_REQUIRED,
-    labels_of,
-    owned_taints,
-    parse_rfc3339,
-)
+from healthagent.effects.events import micro_time
+from healthagent.effects.node_desired import parse_rfc3339
 
-RECHECK_JITTER = 0.5  # the next count comes after interval * [1 - j, 1 + j] seconds
-FLEET_RECHECKS_PER_SECOND = 1.0  # while many nodes are blocked, their re-checks together
+SLOT_PREFIX = "healthagent-budget-slot-"
+COUNT_LEASE = "healthagent-budget-count"
+BUDGET_LABEL = "healthagent.io/budget"  # "slot" or "count": the Leases a decision lists
+GPU_NODES_ANNOTATION = "healthagent.io/gpu-nodes"
+SELECTOR_ANNOTATION = "healthagent.io/node-selector"
+LEASE_LABELS = {"app.kubernetes.io/name": "healthagent", "app.kubernetes.io/part-of": "healthagent"}
+
+SLOT_GRACE_SECONDS = 60.0  # a slot this young without its holder's taint is a decision in flight
+COUNT_MAX_AGE_SECONDS = 600.0  # the fleet re-counts its GPU nodes when the count is this old
+COUNT_CLAIM_SECONDS = 60.0  # a re-count claimed this recently is someone else's to finish
+RECHECK_JITTER = 0.5  # the next look comes after interval * [1 - j, 1 + j] seconds
+MAX_RECHECK_STRETCH = 4  # a node held again and again looks every base * 1, 2, 4, 4, ... seconds
 
 
 def budget_limit(total: int, fraction: float, max_nodes: int | None) -> int:
-    """How many GPU nodes may carry the agent's taint at once.
+    """How many GPU nodes may hold a slot (take the disruptive step) at once.
 
     ``max(1, floor(fraction * total))`` so a small cluster can still take one bad node out; capped
-    by ``max_nodes`` when set (0 = never taint). The epsilon keeps 0.29 * 100 at 29 instead of
+    by ``max_nodes`` when set (0 = never past NoSchedule). The epsilon keeps 0.29 * 100 at 29 instead of
     binary floating point's 28.999...
     """
     limit = max(1, math.floor(fraction * total + 1e-9))
@@ -66,79 +80,181 @@ def budget_limit(total: int, fraction: float, max_nodes: int | None) -> int:
     return limit
 
 
-def recheck_interval(base: float, waiting: int) -> float:
-    """A blocked node's re-check interval before jitter: ``base``, stretched so that ``waiting``
-    blocked nodes together list about ``FLEET_RECHECKS_PER_SECOND`` times a second (1,800
-    nodes blocked at once: each every 30 minutes, the fleet once a second, not 60 times)."""
-    return max(base, waiting / FLEET_RECHECKS_PER_SECOND)
+def recheck_interval(base: float, holds: int) -> float:
+    """A held node's interval before jitter, after ``holds`` refusals in a row: ``base``,
+    doubling up to ``MAX_RECHECK_STRETCH`` times it. A look is a list of the budget's few Leases,
+    so its cost does not grow with the cluster; the stretch keeps a mass failure's thousands of
+    held nodes from asking every 30 s for hours, while any freed slot is still taken within
+    seconds, because so many look."""
+    return base * min(2 ** max(0, holds - 1), MAX_RECHECK_STRETCH)
 
 
 def recheck_delay(base: float, rng: random.Random) -> float:
-    """Seconds to the next count: ``base`` +-50%, uniformly, so its mean stays ``base``. Agents
-    blocked (or tainting) in the same moment spread their next lists over a whole interval, and
-    stay spread, instead of listing the GPU nodes together every ``base`` seconds."""
+    """Seconds to the next look: ``base`` +-50%, uniformly, so its mean stays ``base``. Agents
+    held in the same moment spread their next looks over a whole interval, and stay spread."""
     return rng.uniform(base * (1 - RECHECK_JITTER), base * (1 + RECHECK_JITTER))
 
 
-@dataclass(frozen=True)
-class BudgetCount:
-    """The cluster as one agent saw it when it asked."""
+def slot_name(index: int) -> str:
+    return f"{SLOT_PREFIX}{index}"
 
-    total: int
-    tainted: tuple[str, ...]  # other GPU nodes carrying the agent's taint key
+
+def slot_index(name: str) -> int | None:
+    """The index in a slot Lease's name; None for any other name."""
+    digits = name[len(SLOT_PREFIX):] if name.startswith(SLOT_PREFIX) else ""
+    return int(digits) if digits.isdigit() and str(int(digits)) == digits else None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One slot Lease as read: who holds it, since when (its last write), at which version."""
+
+    index: int
+    holder: str  # "" = free
+    since: float | None  # renewTime, else acquireTime
+    version: str
+    lease: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        return slot_name(self.index)
+
+
+@dataclass(frozen=True)
+class GpuCount:
+    """The fleet's shared count of GPU nodes (the count Lease), as read."""
+
+    nodes: int | None  # None: never counted, or by another selector
+    counted_at: float | None
+    claimed_at: float | None  # a re-count in progress since (acquireTime newer than renewTime)
+    version: str
+    lease: Mapping[str, Any]
+
+    def due(self, now: float) -> bool:
+        """Should this agent re-count (old or missing, and nobody is at it)?"""
+        fresh = self.nodes is not None and self.counted_at is not None and \
+            now - self.counted_at < COUNT_MAX_AGE_SECONDS
+        busy = self.claimed_at is not None and now - self.claimed_at < COUNT_CLAIM_SECONDS
+        return not fresh and not busy
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    """The budget's Leases as one list returned them, and the limit they give."""
+
+    slots: tuple[Slot, ...]
+    count: GpuCount | None
     limit: int
-    waiting: int = 1  # GPU nodes blocked by the budget (this one included): action label, no taint
+
+    @property
+    def held(self) -> tuple[Slot, ...]:
+        return tuple(s for s in self.slots if s.holder)
+
+    def held_by(self, node_name: str) -> tuple[Slot, ...]:
+        return tuple(s for s in self.slots if s.holder == node_name)
 
     @property
     def allows(self) -> bool:
-        return len(self.tainted) + 1 <= self.limit
+        """Is there room for one more holder? (Holders of slots past a limit that shrank count.)"""
+        return len(self.held) < self.limit
+
+    def free_indexes(self) -> list[int]:
+        """Slot indexes under the limit with no holder (a Lease not created yet is free too)."""
+        taken = {s.index for s in self.held}
+        return [i for i in range(self.limit) if i not in taken]
+
+    def slot(self, index: int) -> Slot | None:
+        return next((s for s in self.slots if s.index == index), None)
 
     def describe(self) -> str:
-        return f"tainted={len(self.tainted)} limit={self.limit} gpu_nodes={self.total} waiting={self.waiting}"
+        nodes = self.count.nodes if self.count is not None and self.count.nodes is not None else "uncounted"
+        return f"slots_held={len(self.held)} limit={self.limit} gpu_nodes={nodes}"
 
 
-def count_budget(nodes: Iterable[Mapping], taint_key: str, node_name: str, fraction: float,
-                 max_nodes: int | None) -> BudgetCount:
-    nodes = list(nodes)
-    tainted = tuple(sorted(_name(n) for n in nodes if owned_taints(n, taint_key) and _name(n) != node_name))
-    waiting = sum(1 for n in nodes if _name(n) != node_name and not owned_taints(n, taint_key)
-                  and labels_of(n).get(HEALTH_LABEL) in (REBOOT_REQUIRED, REPLACE_REQUIRED))
-    return BudgetCount(total=len(nodes), tainted=tainted, limit=budget_limit(len(nodes), fraction, max_nodes),
-                       waiting=waiting + 1)
+def read_view(items: Iterable[Mapping], selector: str, fraction: float, max_nodes: int | None) -> BudgetView:
+    """The view from a list of the budget's Leases. A count taken with another node selector (a
+    configuration change half rolled out) is no count for this agent."""
+    slots, count = [], None
+    for lease in items:
+        meta = lease.get("metadata") or {}
+        spec = lease.get("spec") or {}
+        name = str(meta.get("name") or "")
+        version = str(meta.get("resourceVersion") or "")
+        renewed, acquired = parse_rfc3339(spec.get("renewTime")), parse_rfc3339(spec.get("acquireTime"))
+        index = slot_index(name)
+        if index is not None:
+            slots.append(Slot(index, str(spec.get("holderIdentity") or ""),
+                              renewed if renewed is not None else acquired, version, lease))
+        elif name == COUNT_LEASE:
+            count = _read_count(lease, selector, renewed, acquired, version)
+    slots.sort(key=lambda s: s.index)
+    # no count yet: the limit of an empty cluster, the smallest there is
+    limit = budget_limit(count.nodes if count is not None and count.nodes else 0, fraction, max_nodes)
+    return BudgetView(tuple(slots), count, limit)
 
 
-def must_roll_back(nodes: Iterable[Mapping], taint_key: str, node_name: str, limit: int) -> bool:
-    """After tainting: True when this node's taint is one of the newest past ``limit``."""
-    tainted = []
-    for node in nodes:
-        taints = owned_taints(node, taint_key)
-        if taints:
-            added = [parse_rfc3339(t.get("timeAdded")) for t in taints]
-            known = [a for a in added if a is not None]
-            # a taint without timeAdded (by hand, another tool) counts as the oldest: it stands
-            tainted.append((min(known) if known else float("-inf"), _name(node)))
-    if len(tainted) <= limit:
-        return False
-    tainted.sort()
-    return node_name in {name for _, name in tainted[limit:]}
+def _read_count(lease: Mapping, selector: str, renewed: float | None, acquired: float | None,
+                version: str) -> GpuCount:
+    annotations = (lease.get("metadata") or {}).get("annotations") or {}
+    text = str(annotations.get(GPU_NODES_ANNOTATION, ""))
+    nodes = int(text) if text.isdigit() and annotations.get(SELECTOR_ANNOTATION) == selector else None
+    claimed = acquired if acquired is not None and (renewed is None or acquired > renewed) else None
+    return GpuCount(nodes, renewed if nodes is not None else None, claimed, version, lease)
 
 
-def late_older_peers(nodes: Iterable[Mapping], taint_key: str, node_name: str, seen: set[str],
-                     own_added: float) -> list[str]:
-    """Tainted peers not seen at the first re-count whose ``timeAdded`` is not newer than this
-    node's: decisions made at the same time whose writes landed late. Only they can make this
-    node's standing taint the excess; a taint added later, or by hand without ``timeAdded``, is
-    not a race this node lost."""
-    late = []
-    for node in nodes:
-        name = _name(node)
-        if name == node_name or name in seen:
-            continue
-        added = [parse_rfc3339(t.get("timeAdded")) for t in owned_taints(node, taint_key)]
-        if any(a is not None and a <= own_added for a in added):
-            late.append(name)
-    return late
+# -- the Lease bodies the agent writes -------------------------------------------------------------
 
 
-def _name(node: Mapping) -> str:
-    return (node.get("metadata") or {}).get("name", "")
+def new_lease(name: str, namespace: str, kind: str) -> dict:
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace, "labels": {**LEASE_LABELS, BUDGET_LABEL: kind}},
+            "spec": {}}
+
+
+def held_lease(lease: Mapping, holder: str, now: float, *, acquired: bool) -> dict:
+    """``lease`` (as read, its ``resourceVersion`` kept: the write's precondition) naming
+    ``holder``; ``acquired``: a new holder (acquireTime too), else the holder's rewrite."""
+    body = _copy(lease)
+    spec = body["spec"]
+    stamp = micro_time(now)
+    spec["holderIdentity"] = holder
+    spec["renewTime"] = stamp
+    if acquired or not spec.get("acquireTime"):
+        spec["acquireTime"] = stamp
+    return body
+
+
+def released_lease(lease: Mapping) -> dict:
+    """``lease`` with no holder (its version kept)."""
+    body = _copy(lease)
+    body["spec"] = {}
+    return body
+
+
+def claimed_count(lease: Mapping, holder: str, now: float) -> dict:
+    """The count Lease claimed for a re-count: ``holder`` and ``acquireTime`` now; the old count
+    and its ``renewTime`` stay readable meanwhile."""
+    body = _copy(lease)
+    body["spec"]["holderIdentity"] = holder
+    body["spec"]["acquireTime"] = micro_time(now)
+    return body
+
+
+def counted(lease: Mapping, nodes: int, selector: str, now: float) -> dict:
+    body = _copy(lease)
+    annotations = body["metadata"].setdefault("annotations", {})
+    annotations[GPU_NODES_ANNOTATION] = str(nodes)
+    annotations[SELECTOR_ANNOTATION] = selector
+    body["spec"]["renewTime"] = micro_time(now)
+    body["spec"]["leaseDurationSeconds"] = int(COUNT_MAX_AGE_SECONDS)
+    return body
+
+
+def _copy(lease: Mapping) -> dict:
+    meta = dict(lease.get("metadata") or {})
+    meta.pop("managedFields", None)
+    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+            "spec": dict(lease.get("spec") or {})}
+    if isinstance(meta.get("annotations"), dict):
+        meta["annotations"] = dict(meta["annotations"])
+    return body

@@ -1,44 +1,68 @@
-"""The disruption budget as the effects ask it: count the GPU nodes, remember the answer, re-count.
+"""The disruption budget as the effects ask it: hold a slot for the disruptive step, give it back after.
 
-``effects/budget.py`` holds the rule (pure: a count, a limit, who rolls back); this module does
-the cluster reads it needs and keeps their timing: one count per reconcile at most, a blocked node
-counting again only after a jittered interval, and the two re-counts after tainting (right away,
-and once more about ``recheck_seconds`` later for a peer whose write landed late). A count that
-fails holds the taint back (fail closed) until a later reconcile counts again. In dry-run there
-is no cluster view: every count allows.
+``effects/budget.py`` holds the rule and the shape of the slots (pure); ``effects/budget_leases.py``
+the calls. This module runs the protocol for one node and keeps its timing:
+
+- ``holds_slot``: whether this node holds a slot, as last read or written (no request).
+- ``ask`` (while the node holds no slot and its plan has a disruptive step ahead, at most once per
+  reconcile): ALLOWS when a slot is taken now; HOLDS when every slot is held, or the budget could
+  not be read (fail closed): the node is held at NoSchedule. A held node looks again only after a
+  jittered interval that stretches while it stays held (``recheck_interval``).
+- ``slot_lost`` (right after the first node write that lands with a new slot): re-write the slot,
+  so that a reclaim which judged it stale before the node's taint landed fails; True when the slot
+  was reclaimed meanwhile, and the node goes back to held NoSchedule.
+- ``settle`` (after every reconcile that left the node as planned): give the slot back when the
+  plan wants none any more (no agent taint: healed, cleared; or no disruptive step left), finish
+  a re-write that failed, and re-count the fleet's GPU nodes when the shared count is old. Nothing
+  of this asks the API server in a steady state.
+- ``startup``: which slot this node holds (a restart forgets it), a slot for a NoExecute already
+  on the node (from a version before the budget) if one is free, and the shared count.
+
+In dry-run there is no cluster view: every question allows and nothing is written.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import Any, Callable
 
-from healthagent.effects.backend import ApiError, ApiRejected
+from healthagent.common import ErrorTally
+from healthagent.effects.backend import AlreadyExists, ApiError, ApiRejected, ApiUnavailable, Conflict
 from healthagent.effects.budget import (
-    BudgetCount,
-    count_budget,
-    late_older_peers,
-    must_roll_back,
+    COUNT_LEASE,
+    SLOT_GRACE_SECONDS,
+    BudgetView,
+    Slot,
+    claimed_count,
+    counted,
+    held_lease,
+    new_lease,
+    read_view,
     recheck_delay,
     recheck_interval,
+    released_lease,
+    slot_name,
 )
-from healthagent.effects.node_desired import owned_taints, parse_rfc3339
-from healthagent.effects.node_watch import resource_version
+from healthagent.effects.budget_leases import LeaseStore
+from healthagent.effects.node_desired import carries_no_execute, owned_taints
 from healthagent.effects.plan import Budget
-from healthagent.common import ErrorTally
 
 log = logging.getLogger(__name__)
 
+TAKE_ATTEMPTS = 4  # writes for a slot per question; each 409 means another node took one
+LIVE_HOLDER_SECONDS = 300.0  # a holder seen with its taint is not looked at again for this long
+
 
 class BudgetGuard:
-    """May this node add its taint, and must it give a fresh one back?"""
+    """May this node take its disruptive step (does it hold a slot), and the slot's upkeep."""
 
-    def __init__(self, backend: Any, *, node_name: str, taint_key: str, selector: str, max_fraction: float,
-                 max_nodes: int | None, recheck_seconds: float, tally: ErrorTally, rng: random.Random,
-                 dry_run: bool) -> None:
-        self._backend = backend
-        self._node_name = node_name
+    def __init__(self, leases: LeaseStore | None, *, node_name: str, taint_key: str, selector: str,
+                 max_fraction: float, max_nodes: int | None, recheck_seconds: float, tally: ErrorTally,
+                 rng: random.Random) -> None:
+        """``leases`` None: dry-run (no cluster view)."""
+        self._store = leases
+        self._node = node_name
         self._taint_key = taint_key
         self._selector = selector
         self._fraction = max_fraction
@@ -46,86 +70,282 @@ class BudgetGuard:
         self._recheck_seconds = recheck_seconds
         self._tally = tally
         self._rng = rng
-        self._dry_run = dry_run
-        self._memo: BudgetCount | None = None  # this reconcile's count
-        self.recheck_at: float | None = None  # while blocked: no count before this time
-        self.recount_at: float | None = None  # the late re-count after tainting
-        self._seen_tainted: set[str] = set()  # the peers tainted at the first re-count
-        self.note = ""  # the last count in words, for the log and the Event
+        self.slot: Slot | None = None  # the slot this node holds, as last read or written
+        self._memo: Budget | None = None  # this reconcile's answer
+        self.recheck_at: float | None = None  # held (or a NoExecute without a slot): no look before
+        self._holds = 0  # looks in a row that found no slot
+        self._count_due = False  # the shared count is old: re-count after this reconcile
+        self._renew_due = False  # a slot taken (or its re-write failed): re-write it once the node write lands
+        self._upkeep_at: float | None = None  # a failed release/re-write/count: not before this
+        self._live: dict[str, tuple[str, float]] = {}  # slot -> (version, until): its holder was live
+        self.note = ""  # the last look in words, for the log and the Event
 
     def begin(self) -> None:
-        """A new reconcile: the next question counts again (unless a blocked node must wait)."""
+        """A new reconcile: the next question looks again (unless a held node must wait)."""
         self._memo = None
 
-    def recount_due(self, now: float) -> bool:
-        return self.recount_at is not None and now >= self.recount_at
+    @property
+    def holds_slot(self) -> bool:
+        """Does this node hold a slot (as last read or written)? Always in dry-run, which has no
+        cluster view and decides as if it did."""
+        return self._store is None or self.slot is not None
+
+    def startup(self, node: dict, now: float) -> None:
+        """Which slot this node holds; a free one for a NoExecute of the agent's already on the
+        node without one (it counts); then ``settle`` (a slot without a taint goes back, the
+        shared count). Never raises an API error: a failed look is counted and the first question
+        looks again."""
+        if self._store is None:
+            return
+        try:
+            view = self._look(now)
+            held = view.held_by(self._node)
+            self.slot = held[0] if held else None
+            if self.slot is None and carries_no_execute(node, self._taint_key):
+                self._adopt(view, now)
+        except ApiError as exc:
+            self._failure(exc, f"cannot read the budget's Leases at start ({exc})")
+            return
+        self.settle(node, now, wants_slot=bool(owned_taints(node, self._taint_key)))
 
     def ask(self, now: float) -> Budget:
-        """ALLOWS or HOLDS for adding the taint now."""
-        if self._dry_run:
+        """ALLOWS or HOLDS for the node's disruptive step; ALLOWS means this node holds a slot."""
+        if self._store is None:
             return Budget.ALLOWS
         if self._memo is not None:
-            return Budget.ALLOWS if self._memo.allows else Budget.HOLDS
+            return self._memo
+        if self.slot is not None:
+            self._memo = Budget.ALLOWS
+            return self._memo
         if self.recheck_at is not None and now < self.recheck_at:
             return Budget.HOLDS
         try:
-            nodes = self._backend.list_nodes(self._selector)
+            slot = self._take(self._look(now), now)
         except ApiError as exc:
-            self._count_failure(exc, f"cannot count GPU nodes ({exc}); taint held back")
-            self.note = f"the GPU nodes could not be counted ({exc})"
-            self._memo = BudgetCount(total=0, tainted=(), limit=0)
-            return Budget.HOLDS
-        count = self._count(nodes)
-        self._memo = count
-        self.note = count.describe()
-        self.recheck_at = None if count.allows else now + self._delay(count.waiting)
-        return Budget.ALLOWS if count.allows else Budget.HOLDS
+            self._failure(exc, f"cannot read or take a budget slot ({exc}); the node stays at NoSchedule")
+            self.note = f"the budget's Leases could not be read or written ({exc})"
+            self._memo = Budget.HOLDS
+            return self._memo
+        self._memo = self._answer(slot, now)
+        self._renew_due = slot is not None
+        return self._memo
 
-    def must_roll_back(self, node: dict, now: float, first: bool) -> bool:
-        """After tainting: count again (at least as new as ``node``, this agent's own write: a
-        lagging watch cache would hide the taint and with it the race) and say whether this
-        node's taint is among the newest past the limit. ``first``: right after the write; else
-        the late re-count, which only counts peers that decided no later than this node."""
-        if self._dry_run:
+    def slot_lost(self, now: float) -> bool:
+        """Right after the first node write that landed with a new slot: re-write the slot (a
+        reclaim that read it before fails now). True when it was reclaimed meanwhile: the node
+        goes back to held NoSchedule. No request unless a re-write is due."""
+        if self._store is None or self.slot is None or not self._renew_due:
             return False
-        if first:
-            self.recount_at = now + self._delay()
-        else:
-            self.recount_at = None
         try:
-            nodes = self._backend.list_nodes(self._selector, not_older_than=resource_version(node))
+            lost = self._renew(now)
         except ApiError as exc:
-            self._count_failure(exc, f"cannot re-count GPU nodes after tainting ({exc})")
+            self._failure(exc, f"cannot re-write budget slot {self.slot.name} after the node write ({exc})")
             return False
-        count = self._count(nodes)
-        if first:
-            self._seen_tainted = set(count.tainted)
-        else:
-            own = [parse_rfc3339(t.get("timeAdded")) for t in owned_taints(node, self._taint_key)]
-            own_added = min((a for a in own if a is not None), default=None)
-            if own_added is None or not late_older_peers(nodes, self._taint_key, self._node_name,
-                                                         self._seen_tainted, own_added):
-                return False
-        if not must_roll_back(nodes, self._taint_key, self._node_name, count.limit):
+        return lost and self._rolled_back(now)
+
+    def settle(self, node: dict, now: float, wants_slot: bool) -> bool:
+        """After a reconcile that left the node as planned: give the slot back when the plan wants
+        none (``NodePlan.wants_slot``: no agent taint, or no disruptive step left), finish a
+        re-write that failed, and re-count when due. A steady state makes no request. True when
+        that re-write finds the slot reclaimed: the node goes back to held NoSchedule, as with
+        ``slot_lost``."""
+        if self._store is None:
             return False
-        self.recount_at = None
-        log.warning("effects node=%s budget=rollback %s: another agent tainted at the same time",
-                    self._node_name, count.describe())
-        self.note = f"{count.describe()} (rolled back: another node tainted at the same time)"
-        self._memo = count  # counted with this node's taint excluded: does not allow
-        self.recheck_at = now + self._delay(count.waiting)
+        keep = wants_slot and bool(owned_taints(node, self._taint_key))
+        renew = keep and self._renew_due and self.slot is not None
+        release = not keep and self.slot is not None
+        if not (renew or release or self._count_due) or (self._upkeep_at is not None and now < self._upkeep_at):
+            return False
+        try:
+            if renew:
+                if self._renew(now):
+                    return self._rolled_back(now)
+            elif release:
+                assert self.slot is not None
+                self._release(self.slot)
+            if self._count_due:
+                self._count_due = False
+                self._recount(now)
+        except ApiError as exc:
+            self._upkeep_at = now + self._delay()
+            self._failure(exc, f"cannot keep the budget's Leases in step with the node ({exc})")
+            return False
+        self._upkeep_at = None
+        return False
+
+    def node_gone(self) -> None:
+        """The Node object is gone, and with it any taint: give the slot back (best effort; if
+        this fails, another agent reclaims it after a GET of the missing node)."""
+        if self._store is None or self.slot is None:
+            return
+        try:
+            self._release(self.slot)
+        except ApiError as exc:
+            self._failure(exc, f"cannot give back budget slot {self.slot.name} of a deleted node ({exc})")
+
+    # -- the protocol --------------------------------------------------------------------------------
+
+    def _look(self, now: float, consistent: bool = False) -> BudgetView:
+        store = self._require_store()
+        view = read_view(store.list(consistent), self._selector, self._fraction, self._max_nodes)
+        self._count_due = self._count_due or view.count is None or view.count.due(now)
+        return view
+
+    def _take(self, view: BudgetView, now: float) -> Slot | None:
+        """This node's slot: one it holds already, a free one, or a stale one reclaimed (after
+        one GET of its holder's node at most); None when every slot is held by a live node."""
+        store = self._require_store()
+        judged = False
+        for _ in range(TAKE_ATTEMPTS):
+            mine = view.held_by(self._node)
+            if mine:
+                return mine[0]
+            if view.allows:
+                index = self._rng.choice(view.free_indexes())
+                existing = view.slot(index)
+                base = existing.lease if existing is not None else new_lease(slot_name(index), store.namespace, "slot")
+                body = held_lease(base, self._node, now, acquired=True)
+            else:
+                stale = None if judged else self._stale(view, now)
+                judged = True
+                if stale is None:
+                    self.note = view.describe()
+                    return None
+                log.warning("effects node=%s budget=reclaim slot=%s holder=%s: the holder's node is gone or "
+                            "carries no taint of the agent's", self._node, stale.name, stale.holder)
+                body = held_lease(stale.lease, self._node, now, acquired=True)
+            try:
+                written = store.create(body) if "resourceVersion" not in body["metadata"] else store.replace(body)
+            except (Conflict, AlreadyExists):
+                view = self._look(now, consistent=True)  # another node won that slot: look again
+                continue
+            self.note = view.describe()
+            return _slot(written)
+        self.note = view.describe()
+        return None
+
+    def _stale(self, view: BudgetView, now: float) -> Slot | None:
+        """One held slot older than ``SLOT_GRACE_SECONDS``, judged by a GET of its holder's node:
+        stale when the node is gone or carries no taint of the agent's. A younger slot is not
+        judged at all: it may be a decision in flight, and in a mass failure every slot is young,
+        so the held-back nodes' first looks read no Node (a node deleted right after taking its
+        slot is reclaimed a minute later)."""
+        candidates = [s for s in view.held if s.holder != self._node and not self._seen_live(s, now)
+                      and (s.since is None or now - s.since >= SLOT_GRACE_SECONDS)]
+        if not candidates:
+            return None
+        slot = self._rng.choice(candidates)
+        holder = self._require_store().node(slot.holder)
+        if holder is not None and owned_taints(holder, self._taint_key):
+            self._live[slot.name] = (slot.version, now + LIVE_HOLDER_SECONDS)
+            return None
+        return slot
+
+    def _seen_live(self, slot: Slot, now: float) -> bool:
+        version, until = self._live.get(slot.name, ("", 0.0))
+        return version == slot.version and now < until
+
+    def _rolled_back(self, now: float) -> bool:
+        log.warning("effects node=%s budget=rollback: its slot was reclaimed before its taint landed; "
+                    "back to NoSchedule", self._node)
+        self.note = "its budget slot was reclaimed before its taint landed (rolled back to NoSchedule)"
+        self._memo = Budget.HOLDS
+        self._renew_due = False
+        self._holds += 1
+        self.recheck_at = now + self._delay()
         return True
 
-    def _count(self, nodes: list[dict]) -> BudgetCount:
-        return count_budget(nodes, self._taint_key, self._node_name, self._fraction, self._max_nodes)
+    def _answer(self, slot: Slot | None, now: float) -> Budget:
+        if slot is not None:
+            self.slot, self._holds, self.recheck_at = slot, 0, None
+            return Budget.ALLOWS
+        self._holds += 1
+        self.recheck_at = now + self._delay()
+        return Budget.HOLDS
 
-    def _count_failure(self, exc: ApiError, message: str) -> None:
+    def _renew(self, now: float) -> bool:
+        """Re-write this node's slot. True when another node holds it now. A slot Lease deleted
+        by hand is no slot: the next plan asks for another."""
+        assert self.slot is not None
+        self.slot, lost = self._write_own(self.slot, lambda lease: held_lease(lease, self._node, now, acquired=False))
+        self._renew_due = False
+        return lost
+
+    def _release(self, slot: Slot) -> None:
+        """Give ``slot`` back (unless it is not this node's anymore)."""
+        written, _ = self._write_own(slot, released_lease)
+        if written is not None:
+            log.info("effects node=%s budget=released slot=%s", self._node, slot.name)
+        self.slot = None
+
+    def _write_own(self, slot: Slot, change: Callable[[Any], dict]) -> tuple[Slot | None, bool]:
+        """Write ``change`` of this node's ``slot`` with the version read; on a 409 read it again
+        and, still this node's, write once more. (the slot written or None, whether another node
+        holds it now); a Lease that is gone (404) is (None, False)."""
+        store = self._require_store()
+        for _ in range(2):
+            try:
+                return _slot(store.replace(change(slot.lease))), False
+            except Conflict:
+                slot = _slot(store.read(slot.name))
+                if slot.holder != self._node:
+                    return None, True
+            except ApiRejected as exc:
+                if exc.status != 404:
+                    raise
+                return None, False
+        return None, False
+
+    def _adopt(self, view: BudgetView, now: float) -> None:
+        """The node carries the agent's NoExecute (from a version before the budget) but holds no
+        slot: take one, so it counts. Never removes the taint: with every slot held it stands,
+        the plan's questions look again later, and the budget holds other nodes' disruptive steps
+        until holders are under the limit."""
+        slot = self._take(view, now)
+        if slot is None:
+            log.warning("effects node=%s budget=over: the node carries the agent's NoExecute but no slot is "
+                        "free (%s); the taint stays", self._node, self.note)
+        self._answer(slot, now)
+
+    def _recount(self, now: float) -> None:
+        """Re-count the fleet's GPU nodes into the shared count Lease: claim the re-count with a
+        guarded write first (whoever loses leaves it to the winner), then count and record."""
+        store = self._require_store()
+        view = read_view(store.list(consistent=True), self._selector, self._fraction, self._max_nodes)
+        count = view.count
+        if count is not None and not count.due(now):
+            return
+        base = count.lease if count is not None else new_lease(COUNT_LEASE, store.namespace, "count")
+        try:
+            claim = claimed_count(base, self._node, now)
+            claimed = store.replace(claim) if count is not None else store.create(claim)
+        except (Conflict, AlreadyExists):
+            return  # another agent re-counts
+        nodes = store.count_nodes(self._selector)
+        store.replace(counted(claimed, nodes, self._selector, now))
+        log.info("effects node=%s budget=counted gpu_nodes=%d selector=%s", self._node, nodes, self._selector)
+
+    # -- small parts -----------------------------------------------------------------------------
+
+    def _require_store(self) -> LeaseStore:
+        assert self._store is not None, "no budget calls in dry-run"
+        return self._store
+
+    def _failure(self, exc: ApiError, message: str) -> None:
         """The API's condition when it did not answer; the setup's fault (``rejected_403``: no
-        ``list nodes``) when it refused."""
+        RBAC for leases, or the admission policy refused) when it refused."""
         if isinstance(exc, ApiRejected):
-            self._tally.count(f"rejected_{exc.status}", f"node={self._node_name} {message}")
+            self._tally.count(f"rejected_{exc.status}", f"node={self._node} {message}")
         else:
             self._tally.count("budget_count_failed", message)
 
-    def _delay(self, waiting: int = 1) -> float:
-        return recheck_delay(recheck_interval(self._recheck_seconds, waiting), self._rng)
+    def _delay(self) -> float:
+        return recheck_delay(recheck_interval(self._recheck_seconds, max(1, self._holds)), self._rng)
+
+
+def _slot(lease: Any) -> Slot:
+    """The slot a Lease reply describes."""
+    view = read_view([lease] if isinstance(lease, dict) else [], "", 0.0, None)
+    if not view.slots:
+        raise ApiUnavailable("the Lease reply is not a budget slot")
+    return view.slots[0]

@@ -25,12 +25,15 @@ One reconcile:
   3. if the plan against the cached node needs no write (and, with the watch down, the resync
      interval has not passed), stop: a steady state costs no request at all;
   4. plan against the cached node (watch live) or a fresh read (watch down), noticing as in 2:
-     one plan per attempt (``effects/plan.py``, pure; the budget asked first, only when the taint
-     is to be added); ``NodeWriter`` writes labels/annotations/taints (a JSON patch whose ``test``
-     operations pin what it replaces; a conflict -> the fresh node, a new plan, a retry with
-     bounded exponential backoff and jitter), then the conditions (``/status``, merged by type, no
-     precondition); after ADDING the taint, ``BudgetGuard`` counts again and the taint is rolled
-     back if this node is the newest past the limit;
+     one plan per attempt (``effects/plan.py``, pure; the budget asked first, only while the node
+     holds no slot and its plan has a disruptive step ahead); ``NodeWriter`` writes
+     labels/annotations/taints (a JSON patch whose ``test`` operations pin what it replaces; a
+     conflict -> the fresh node, a new plan, a retry with bounded exponential backoff and jitter),
+     then the conditions (``/status``, merged by type, no precondition); ``BudgetGuard`` takes a
+     slot of the disruption budget when the node is first tainted (NoSchedule needs none; the
+     disruptive steps after the grace do), re-writes it once that write lands (the node goes back
+     to held NoSchedule if the slot was reclaimed meanwhile), and gives it back once the node
+     carries no agent taint;
   5. deliver the queued Events, save the record to the state file.
 
 What the verdict could not see (``Verdict.unobserved``) is never taken for health: a condition
@@ -47,6 +50,7 @@ import contextlib
 import logging
 import random
 import socket
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -62,12 +66,14 @@ from healthagent.effects.backend import (
     split_api_conditions,
 )
 from healthagent.effects.budget_guard import BudgetGuard
+from healthagent.effects.budget_leases import LeaseStore, agent_namespace
+from healthagent.effects.conditions import identify, vocabulary
 from healthagent.effects.events import (
     EVENTS_NAMESPACE,
     NORMAL,
-    WARNING,
     EventLedger,
     EventSpec,
+    budget_held_event,
     event_body,
     finding_events,
 )
@@ -75,7 +81,7 @@ from healthagent.effects.node_desired import NO_EXECUTE, owned_taints, owned_vie
 from healthagent.effects.node_facts import NodeFacts
 from healthagent.effects.node_watch import BACKOFF_SECONDS, WATCH_TIMEOUT_SECONDS, NodeCache, NodeWatch
 from healthagent.effects.node_writer import NodeWriter
-from healthagent.effects.plan import Budget, NodePlan, PlanSettings, needs_budget, plan_node
+from healthagent.effects.plan import Budget, NodePlan, PlanSettings, clear_request, needs_budget, plan_node
 from healthagent.effects.record import STATE_KEY, AppliedTaint, EffectsRecord
 from healthagent.model import KubeStatus, SourceHealth, Verdict
 from healthagent.common import ErrorTally
@@ -83,8 +89,9 @@ from healthagent.common import ErrorTally
 log = logging.getLogger(__name__)
 
 RESYNC_SECONDS = 60.0  # with the watch down or off: re-read the node this often (operator actions)
-BUDGET_RECHECK_SECONDS = 30.0  # while over budget, count the cluster again this often (+-50% jitter)
+BUDGET_RECHECK_SECONDS = 30.0  # while over budget, look for a free slot this often (+-50% jitter, stretching)
 MAX_ATTEMPTS = 6  # writes per object per reconcile before giving up until the next one
+CLEAR_CUT_KEY = "effects_clear"  # state key: {"token", "as_of"}: the verdict the last clear acted on
 
 
 class NodeEffects:
@@ -119,6 +126,11 @@ class NodeEffects:
         self.node_name = settings.node_name or socket.gethostname()
         self.state = state
         self.record = EffectsRecord.from_state(state.get(STATE_KEY))
+        self._clear_token, self._clear_as_of = clear_cut(state.get(CLEAR_CUT_KEY), self.record.clear_token)
+        # The verdict the effects held when the watch saw the node change (an operator's clear
+        # arriving): the clear is applied against it, even in a later step (see ``_clearing``).
+        self._arrival: Verdict | None = None
+        self._arrival_lock = threading.Lock()
         self.ledger = EventLedger(self.record.emitted, self.record.outbox)
         self.dry_run = api_client is None
         self._tally = ErrorTally("kube")
@@ -128,17 +140,21 @@ class NodeEffects:
             self.backend: Any = DryRunBackend(self.node_name, self.record.dry_run_node)
         else:
             self.mode = settings.kube if settings.kube in ("in-cluster", "kubeconfig") else "in-cluster"
+            identify(api_client)  # the field manager of what the agent writes: "healthagent"
             self.backend = ApiBackend(api_client, self.node_name, request_timeout)
         self.resync_seconds = resync_seconds
         self.on_change = on_change
         self._plan_settings = PlanSettings(settings.taint_key, settings.replace_noexecute_grace_seconds,
-                                           settings.hyperpod_labels)
-        self.facts = NodeFacts(self.record, self.ledger, self.node_name, settings.taint_key)
+                                           settings.hyperpod_labels, settings.reboot_node_noexecute,
+                                           settings.condition_vocabulary)
+        self._vocabulary = vocabulary(settings.condition_vocabulary)
+        self.facts = NodeFacts(self.record, self.ledger, self.node_name, settings.taint_key, self._vocabulary)
+        leases = None if self.dry_run else LeaseStore(self.backend, agent_namespace(settings.budget_namespace))
         self.budget = BudgetGuard(
-            self.backend, node_name=self.node_name, taint_key=settings.taint_key,
+            leases, node_name=self.node_name, taint_key=settings.taint_key,
             selector=settings.budget_node_selector, max_fraction=settings.budget_max_fraction,
             max_nodes=settings.budget_max_nodes, recheck_seconds=budget_recheck_seconds, tally=self._tally,
-            rng=rng, dry_run=self.dry_run)
+            rng=rng)
         self.writer = NodeWriter(self.backend, node_name=self.node_name, tally=self._tally, sleep=sleep, rng=rng,
                                  max_attempts=max_attempts, dry_run=self.dry_run)
         self._verdict: Verdict | None = None
@@ -154,7 +170,7 @@ class NodeEffects:
         self._dirty = True
         self._pending = 0
         self._reachable = self.dry_run
-        self._rollback = False  # this node lost a budget race: its new taint comes off again
+        self._rollback = False  # this node's budget slot was reclaimed: back to held NoSchedule
 
     # -- the two entry points ----------------------------------------------------------------------
 
@@ -173,7 +189,7 @@ class NodeEffects:
         with self._guarded():
             self._start_watch()  # a no-op after ``startup``
             self._note_boot(boot_id)
-            self._verdict, self._health = verdict, tuple(health)
+            self._verdict, self._health = self._clearing(verdict), tuple(health)
             keys = {f.key for f in verdict.findings}
             self.record.cleared = [k for k in self.record.cleared if k in keys]
             cleared = set(self.record.cleared)
@@ -199,13 +215,8 @@ class NodeEffects:
 
     @property
     def budget_recheck_at(self) -> float | None:
-        """While the budget holds the taint back: the time of the next count (jittered)."""
+        """While the budget holds the node at NoSchedule: the time of the next look for a slot (jittered)."""
         return self.budget.recheck_at
-
-    @property
-    def budget_recount_at(self) -> float | None:
-        """After tainting: the time of the late re-count for peers that raced (jittered)."""
-        return self.budget.recount_at
 
     @property
     def node(self) -> dict | None:
@@ -230,12 +241,15 @@ class NodeEffects:
         return split_api_conditions(self._tally.snapshot())[1]
 
     def _changed(self) -> None:
+        with self._arrival_lock:  # the cache already holds the node that changed
+            if self._arrival is None and self._clear_pending():
+                self._arrival = self._verdict
         callback = self.on_change
         if callback is not None:
             callback()
 
     def _owned_view(self, node: dict | None) -> tuple:
-        return owned_view(node, self.settings.taint_key, self.settings.hyperpod_labels)
+        return owned_view(node, self.settings.taint_key, self.settings.hyperpod_labels, self._vocabulary)
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
@@ -258,6 +272,7 @@ class NodeEffects:
             self._start_watch()  # it lists by itself once the API server answers
             return
         self.facts.observe(node, now, self._verdict)
+        self.budget.startup(node, now)  # which budget slot this node holds (a restart forgets it)
         self._dirty = False
         self._deliver_events(now)
 
@@ -290,16 +305,17 @@ class NodeEffects:
     # -- planning ----------------------------------------------------------------------------------
 
     def _plan(self, node: dict, now: float, budget: Budget | None = None) -> NodePlan:
-        """The one plan for this attempt; the budget is asked first, only when the plan would add
-        the taint (``budget`` given: that answer, no question)."""
+        """The one plan for this attempt; the budget is asked first, only while the node holds no
+        slot and the plan has a disruptive step ahead (``budget`` given: that answer, no question)."""
         record = self.record
         if budget is None:
-            budget = Budget.ROLLBACK if self._rollback else Budget.UNASKED
+            budget = Budget.ROLLBACK if self._rollback else (
+                Budget.ALLOWS if self.budget.holds_slot else Budget.UNASKED)
             if budget is Budget.UNASKED and needs_budget(self._verdict, node, record.taint, record.cleared,
-                                                         self.settings.taint_key):
+                                                         self._plan_settings):
                 budget = self.budget.ask(now)
         return plan_node(self._verdict, node, record.taint, record.cleared, budget, self._plan_settings, now,
-                         self._health)
+                         self._health, self.facts.foreign)
 
     def _observed_plan(self, node: dict, now: float) -> NodePlan:
         self.facts.observe(node, now, self._verdict)
@@ -309,16 +325,16 @@ class NodeEffects:
 
     def _sync(self, now: float) -> None:
         self.budget.begin()
-        recount_due = self.budget.recount_due(now)
         node = self._cache.get()
         trusted = node is not None and not self._dirty and self.watching
         if trusted:
             self._last_read = now  # the watch keeps the cache as fresh as a read
             self.facts.observe(node, now, self._verdict)  # what operators did arrived through the watch
-        if not self._dirty and node is not None and not self._resync_due(now) and not recount_due:
+        if not self._dirty and node is not None and not self._resync_due(now):
             plan = self._plan(node, now)
             if plan.writes == 0:
                 self._commit(plan, node, now)
+                self._settle_budget(node, plan, now)
                 self._pending = 0
                 return
         if not trusted:
@@ -327,26 +343,33 @@ class NodeEffects:
         node, plan, status_ok = written.node, written.plan, False
         if written.done:  # conditions follow the node write (a pending clear must land first)
             self._commit(plan, written.basis, now)
-            if plan.taint.adds_taint and plan.taint.taint is not None:
-                node, plan = self._check_race(node, plan, now, first=True)
-            elif recount_due:
-                self.budget.recount_at = None
-                if owned_taints(node, self.settings.taint_key):
-                    node, plan = self._check_race(node, plan, now, first=False)
+            if plan.taint.taint is not None:
+                node, plan = self._check_race(node, plan, now)
             node, status_ok = self.writer.write_status(node, plan)
         self._cache.offer(node)
         self._dirty = not (written.done and status_ok)
         self._pending = int(not written.done) + int(not status_ok)
+        if written.done:
+            self._settle_budget(node, plan, now)
+
+    def _settle_budget(self, node: dict, plan: NodePlan, now: float) -> None:
+        """The budget slot in step with the plan (no request when it already is); a slot found
+        reclaimed after a failed re-write sends the node back to NoSchedule on the next attempt."""
+        if self.budget.settle(node, now, plan.wants_slot):
+            self._rollback = True
+            self._dirty = True
 
     def _resync_due(self, now: float) -> bool:
-        return self._last_read is None or now - self._last_read >= self.resync_seconds
+        # a negative interval is a wall clock set back: read now, not once the clock catches up
+        return self._last_read is None or not 0 <= now - self._last_read < self.resync_seconds
 
-    def _check_race(self, node: dict, plan: NodePlan, now: float, first: bool) -> tuple[dict, NodePlan]:
-        """Two agents may have tainted at once: if the budget's re-count says this node is the
-        newest past the limit, take the taint off again (see ``effects/budget.py``)."""
-        if not self.budget.must_roll_back(node, now, first):
+    def _check_race(self, node: dict, plan: NodePlan, now: float) -> tuple[dict, NodePlan]:
+        """Right after the first node write with a new slot landed, the budget re-writes the slot;
+        if another node reclaimed it meanwhile (see ``effects/budget.py``), plan again: the node goes
+        back to held NoSchedule (an API error here leaves the node dirty: the next attempt does)."""
+        if not self.budget.slot_lost(now):
             return node, plan
-        self._rollback = True  # stays set until the removal lands (an API error retries it later)
+        self._rollback = True  # stays set until the rollback lands
         undone = self.writer.write_node(node, lambda n: self._observed_plan(n, now), lambda: self._read(now))
         if undone.done:
             self._commit(undone.plan, undone.basis, now)
@@ -363,8 +386,8 @@ class NodeEffects:
             if had_taint:
                 self.record.taint = None
                 log.info("effects node=%s taint=removed reason=%s", self.node_name,
-                         "budget_rollback" if self._rollback else (plan.clear.via if plan.clear else "healthy"))
-                if plan.clear is None and not self._rollback:
+                         plan.clear.via if plan.clear else "healthy")
+                if plan.clear is None:
                     self.ledger.want([EventSpec(
                         key=f"cleared/{now:.3f}", type=NORMAL, reason="Cleared", action="Cleared",
                         note="Checks pass again: the agent removed its taint from the node.", at=now)])
@@ -374,11 +397,10 @@ class NodeEffects:
                         want.value, want.effect, plan.leading_code or "-")
         elif recorded.effect != want.effect:
             recorded.effect = want.effect
-            log.warning("effects node=%s taint=changed value=%s effect=%s after_grace_seconds=%.0f",
+            log.warning("effects node=%s taint=changed value=%s effect=%s since_taint_seconds=%.0f",
                         self.node_name, want.value, want.effect, now - recorded.since)
         self._note_budget(plan, now)
-        if self._rollback and want is None:
-            self._rollback = False  # the rolled-back taint is off the node
+        self._rollback = False  # a plan made under it landed: the node is back at NoSchedule
 
     def _note_budget(self, plan: NodePlan, now: float) -> None:
         if not plan.taint.budget_blocked:
@@ -394,12 +416,8 @@ class NodeEffects:
                   f"budget_max_nodes={self.settings.budget_max_nodes}")
         log.warning("effects node=%s budget=blocked action=%s %s %s", self.node_name, plan.shown.value,
                     self.budget.note, limits)
-        self.ledger.want([EventSpec(
-            key=f"budget/{plan.leading_key or f'{now:.3f}'}", type=WARNING, reason="TaintBlockedByBudget",
-            action="TaintHeldBack",
-            note=f"The node needs {plan.shown.value} ({plan.leading_code or 'no finding'}) but the "
-                 f"disruption budget holds the taint back: {self.budget.note} ({limits}). Labels and "
-                 "conditions still report the fault.", at=now)])
+        self.ledger.want([budget_held_event(plan.leading_key, plan.shown, plan.leading_code,
+                                            f"{self.budget.note} ({limits})", now)])
 
     # -- events ------------------------------------------------------------------------------------
 
@@ -430,6 +448,7 @@ class NodeEffects:
             self._reachable = True
             self._tally.count("node_not_found", f"node={self.node_name} is not in the cluster ({exc}); "
                                                 "desired state kept until it is")
+            self.budget.node_gone()  # no Node, no taint: its budget slot goes back
         elif isinstance(exc, ApiRejected):
             self._reachable = True
             self._tally.count(f"rejected_{exc.status}", f"node={self.node_name} {exc}")
@@ -443,7 +462,7 @@ class NodeEffects:
         node = self._cache.get()
         if node is None:
             return 1
-        return self._plan(node, now, budget=Budget.ALLOWS).writes
+        return self._plan(node, now, budget=Budget.ALLOWS if self.budget.holds_slot else Budget.HOLDS).writes
 
     def _note_boot(self, boot_id: str) -> None:
         if boot_id and boot_id != self.record.boot_id:
@@ -451,7 +470,40 @@ class NodeEffects:
                 log.info("effects node=%s boot changed %s -> %s", self.node_name, self.record.boot_id, boot_id)
             self.record.boot_id = boot_id
 
+    def _clearing(self, verdict: Verdict) -> Verdict:
+        """The verdict a step works against: the one handed over, except while an operator's clear
+        is on the node and not applied yet: then the one the effects held when the watch saw it
+        arrive. A clear takes away what was open when the operator cleared, not what the loop
+        found in the seconds the effects took to get to it (a slow API server, a write that
+        conflicts): a finding of those seconds stays, and the step after this one acts on it."""
+        with self._arrival_lock:
+            arrival = self._arrival
+        return arrival if arrival is not None and self._clear_pending() else verdict
+
+    def _note_clear(self) -> None:
+        """A clear applied in this step (the record's token changed) names this step's verdict
+        (``_clearing``) as its cut-off: the loop hands that to policy with the token, and policy
+        closes only what was open then (the loop learns of the clear only when this step ends)."""
+        token = self.record.clear_token
+        if token != self._clear_token:
+            self._clear_token = token
+            self._clear_as_of = (self._verdict.observation or None) if self._verdict is not None else None
+            with self._arrival_lock:
+                self._arrival = None
+
+    def _clear_pending(self) -> bool:
+        """Does the node as last seen show a clear not applied yet (the annotation with a new
+        token, or the agent's confirmed taint gone)?"""
+        node = self._cache.get()
+        return node is not None and (clear_request(node) is not None or (
+            self.record.taint is not None and not owned_taints(node, self.settings.taint_key)))
+
     def _save(self) -> None:
+        self._note_clear()
+        with self._arrival_lock:
+            if not self._clear_pending():  # none arrived, or the operator took it back
+                self._arrival = None
+        self.state.put(CLEAR_CUT_KEY, {"token": self._clear_token, "as_of": self._clear_as_of})
         ledger = self.ledger.to_state()
         self.record.emitted, self.record.outbox = ledger["emitted"], ledger["outbox"]
         if self.dry_run:
@@ -460,11 +512,22 @@ class NodeEffects:
         self.state.flush()
 
     def status(self) -> KubeStatus:
+        self._note_clear()  # the token and its cut-off are reported together
         effects = {t.get("effect") for t in owned_taints(self._cache.get() or {}, self.settings.taint_key)}
         effect = NO_EXECUTE if NO_EXECUTE in effects else (next(iter(effects)) if effects else "")
         return KubeStatus(
             mode=self.mode, reachable=self._reachable, taint_effect=effect,
             budget_blocked=self.record.budget_blocked, budget_blocked_total=self.record.budget_blocked_total,
             writes=dict(self.writer.writes), pending_writes=self._pending + len(self.ledger.outbox),
-            clear_token=self.record.clear_token, watching=self.watching, api_errors=self.api_errors,
+            clear_token=self.record.clear_token, clear_as_of=self._clear_as_of,
+            watching=self.watching, api_errors=self.api_errors,
         )
+
+
+def clear_cut(saved: Any, token: str) -> tuple[str, int | None]:
+    """(token, cut-off) as saved, when the save belongs to the record's token; else unknown."""
+    if isinstance(saved, dict) and saved.get("token") == token:
+        as_of = saved.get("as_of")
+        if isinstance(as_of, int) and not isinstance(as_of, bool) and as_of > 0:
+            return token, as_of
+    return token, None

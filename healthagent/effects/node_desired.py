@@ -8,21 +8,45 @@ left exactly as it was: foreign taints keep their place in the list, foreign lab
 and conditions are never in a patch.
 
 Owned by the agent: taints with ``settings.taint_key``; the label ``healthagent.io/health``; the
-annotation ``healthagent.io/clear-handled``; the conditions ``GpuHealthy`` and ``EfaHealthy``; and,
-only with ``hyperpod_labels`` on, the HyperPod labels while they hold a value the agent wrote.
+annotations ``healthagent.io/clear-handled`` and ``healthagent.io/taint-boot-id``; the two
+conditions of its vocabulary (``GpuHealthy``/``EfaHealthy``, or in ``eks`` mode
+``AcceleratedHardwareReady``/``NetworkingReady``: ``effects/conditions.py``) unless another writer
+owns one; and, only with ``hyperpod_labels`` on, the HyperPod labels while they hold a value the
+agent wrote.
+
+A ``reboot_node`` taint comes off only after a reboot: ``healthagent.io/taint-boot-id`` records the
+node's boot id (``status.nodeInfo.bootID``, as the kubelet reports it) while a finding that needs
+the taint is open, and the taint stays until the node reports another boot id (and no finding
+needs it, and the part it came from is observed). A lost state file or a classifier that forgot
+cannot clear it; a ``replace_node`` taint never clears itself at all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
+from healthagent.effects.conditions import (
+    ALL_CHECKS_PASSED,
+    DEFAULT,
+    EFA_AREA,
+    FINDINGS_WITHOUT_NODE_ACTION,
+    GPU_AREA,
+    NOT_OBSERVED_REASONS,
+    REBOOT_PENDING_REASON,
+    REPAIR_AFTER_GRACE,
+    REPAIR_HELD_BY_BUDGET,
+    REPLACE_PENDING_REASON,
+    Vocabulary,
+    area_of,
+)
 from healthagent.model import Action, Finding, SourceHealth
 
 HEALTH_LABEL = "healthagent.io/health"
 CLEAR_ANNOTATION = "healthagent.io/clear"  # written by operators, only read by the agent
 CLEAR_HANDLED_ANNOTATION = "healthagent.io/clear-handled"  # the last clear the agent acted on
+TAINT_BOOT_ANNOTATION = "healthagent.io/taint-boot-id"  # the boot a fault needing the taint was open in
 
 HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 HYPERPOD_FAULT_TYPES_LABEL = "sagemaker.amazonaws.com/fault-types"
@@ -33,16 +57,14 @@ HYPERPOD_SCHEDULABLE = "Schedulable"
 HYPERPOD_PENDING = {Action.REPLACE_NODE: HYPERPOD_PENDING_REPLACEMENT,
                     Action.REBOOT_NODE: HYPERPOD_PENDING_REBOOT}
 
-GPU_CONDITION = "GpuHealthy"
-EFA_CONDITION = "EfaHealthy"
-OWNED_CONDITIONS = (GPU_CONDITION, EFA_CONDITION)
-ALL_CHECKS_PASSED = "AllChecksPassed"
-REPLACE_PENDING_REASON = "ReplacePending"
-# Verdict.unobserved subsystems that have a condition: (condition, its reason while the subsystem
-# cannot be seen, what it is in words, the sources that see it). Status Unknown: "no finding"
-# about hardware nobody could see is not "healthy".
-NOT_OBSERVED = {"gpu": (GPU_CONDITION, "GpuNotObserved", "GPUs", ("nvml", "dcgm")),
-                "efa": (EFA_CONDITION, "EfaNotObserved", "EFA devices", ("efa",))}
+GPU_CONDITION = DEFAULT.gpu_type  # the default vocabulary's types
+EFA_CONDITION = DEFAULT.efa_type
+OWNED_CONDITIONS = DEFAULT.types
+# Verdict.unobserved subsystems that have a condition: (its reason while the subsystem cannot be
+# seen, what it is in words, the sources that see it). Status Unknown: "no finding" about
+# hardware nobody could see is not "healthy".
+NOT_OBSERVED = {GPU_AREA: (NOT_OBSERVED_REASONS[GPU_AREA], "GPUs", ("nvml", "dcgm")),
+                EFA_AREA: (NOT_OBSERVED_REASONS[EFA_AREA], "EFA devices", ("efa",))}
 
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
@@ -69,9 +91,10 @@ def health_value(action: Action, unobserved: bool = False) -> str:
     return DEGRADED
 
 
-def condition_of(code: str) -> str:
-    """Which condition a finding code belongs to: EFA_* -> EfaHealthy, everything else GpuHealthy."""
-    return EFA_CONDITION if code.startswith("EFA_") else GPU_CONDITION
+def condition_of(code: str, vocab: Vocabulary = DEFAULT) -> str:
+    """Which condition a finding code belongs to: EFA_* -> EfaHealthy (NetworkingReady), everything
+    else GpuHealthy (AcceleratedHardwareReady)."""
+    return vocab.type_of(area_of(code))
 
 
 def observed_by(code: str) -> tuple[str, ...]:
@@ -147,9 +170,9 @@ class TaintPlan:
     """The taint decision and why (for the budget and the record)."""
 
     taint: TaintSpec | None
-    adds_taint: bool  # no agent taint on the node yet and one is wanted (the budget's question)
-    budget_blocked: bool = False
-    disruptive_ready: bool = False  # the grace has passed: HyperPod may act
+    adds_taint: bool  # no agent taint on the node yet and one is wanted
+    budget_blocked: bool = False  # held: NoSchedule only, the disruptive step waits for a budget slot
+    disruptive_ready: bool = False  # grace over and a slot held (or NoExecute already on): HyperPod may act
 
 
 def owned_taints(node: Mapping, taint_key: str) -> list[dict]:
@@ -164,24 +187,62 @@ def annotations_of(node: Mapping) -> dict:
     return dict((node.get("metadata") or {}).get("annotations") or {})
 
 
-def owned_view(node: Mapping | None, taint_key: str, hyperpod: bool) -> tuple:
+def owned_view(node: Mapping | None, taint_key: str, hyperpod: bool, vocab: Vocabulary = DEFAULT) -> tuple:
     """What of the node the agent owns or acts on: the object's uid, its taints, its labels, the
-    clear annotations and its conditions. A watch event that changes none of these (the kubelet's
-    status report, another controller's label) updates the cache without waking the effects."""
+    clear and boot annotations, its conditions and the node's boot id. A watch event that changes
+    none of these (the kubelet's heartbeat, another controller's label) updates the cache without
+    waking the effects."""
     if node is None:
         return ()
     labels, annotations = labels_of(node), annotations_of(node)
     label_keys = (HEALTH_LABEL,) + ((HYPERPOD_HEALTH_LABEL, HYPERPOD_FAULT_TYPES_LABEL,
                                      HYPERPOD_FAULT_REASONS_LABEL) if hyperpod else ())
     conditions = [c for c in (node.get("status") or {}).get("conditions") or []
-                  if isinstance(c, dict) and c.get("type") in OWNED_CONDITIONS]
+                  if isinstance(c, dict) and c.get("type") in vocab.types]
     return (
         (node.get("metadata") or {}).get("uid"),
         tuple((t.get("value"), t.get("effect"), t.get("timeAdded")) for t in owned_taints(node, taint_key)),
         tuple(labels.get(k) for k in label_keys),
         annotations.get(CLEAR_ANNOTATION), annotations.get(CLEAR_HANDLED_ANNOTATION),
+        annotations.get(TAINT_BOOT_ANNOTATION), node_boot_id(node),
         tuple((c.get("type"), c.get("status"), c.get("reason"), c.get("message")) for c in conditions),
     )
+
+
+# -- the boot a reboot_node taint waits out --------------------------------------------------------
+
+
+def node_boot_id(node: Mapping) -> str:
+    """The boot id the kubelet reports (``status.nodeInfo.bootID``); "" when it reports none."""
+    info = (node.get("status") or {}).get("nodeInfo")
+    value = info.get("bootID") if isinstance(info, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def reboot_outstanding(node: Mapping) -> bool:
+    """Has the node not rebooted since a fault that needed the agent's taint was last open?
+
+    True while ``healthagent.io/taint-boot-id`` names the boot the node still reports (or the
+    node reports no boot id at all: a reboot cannot be proven). False without the annotation: a
+    taint from a version that did not record the boot clears as it always did, with its finding.
+    """
+    tainted_in = annotations_of(node).get(TAINT_BOOT_ANNOTATION)
+    if not tainted_in:
+        return False
+    now = node_boot_id(node)
+    return not now or now == tainted_in
+
+
+def boot_annotation(node: Mapping, taint: "TaintPlan", findings: Iterable[Finding]) -> dict[str, str | None]:
+    """``healthagent.io/taint-boot-id`` as wanted: the node's boot id while a finding that needs
+    the taint is open (moved to the new boot if such a fault is open again after a reboot), kept
+    while the taint is held without one, removed with the taint."""
+    if taint.taint is None:
+        return {TAINT_BOOT_ANNOTATION: None}
+    boot = node_boot_id(node)
+    if boot and any(f.action in TAINT_ACTIONS for f in findings):
+        return {TAINT_BOOT_ANNOTATION: boot}
+    return {}
 
 
 def grace_start(node: Mapping, taint_key: str, value: str, recorded_since: float | None) -> float | None:
@@ -202,65 +263,148 @@ def plan_taint(
     grace_seconds: float,
     since: float | None,
     now: float,
-    budget_allows: Callable[[], bool],
+    held: bool,
+    reboot_noexecute: bool = True,
+    rollback: bool = False,
 ) -> TaintPlan:
     """Decide the agent's taint for ``action`` (the effective verdict, sticky replace included).
 
-    reboot_node -> NoSchedule; replace_node -> NoSchedule, then NoExecute once ``grace_seconds``
-    have passed since the taint was applied (``since``; 0 = at once); a NoExecute already on the
-    node stays. Adding a taint to a node without one asks the budget; changing or removing one
-    never does (the budget never blocks healing).
+    replace_node and reboot_node -> NoSchedule at once, always: new pods stay off a faulty node and
+    running pods are untouched, so the disruption budget is never asked for it. Then NoExecute
+    once ``grace_seconds`` have passed since the taint was applied (``since``; 0 = at once), but
+    only while the node holds a budget slot: ``held`` (no slot) keeps the node at NoSchedule,
+    ``budget_blocked``, until it gets one. ``reboot_noexecute=False`` keeps reboot_node at
+    NoSchedule. A NoExecute already on the node stays (the pods are gone already), except on
+    ``rollback``: this node's slot was reclaimed before its write landed, so a NoExecute it just
+    wrote goes back to NoSchedule. Removing the taint never asks: the budget never blocks healing. A GPU that fell off the bus kills its
+    rank: a pod left on the node only restarts onto it, so a reboot, too, must take the job's
+    pods off after the grace.
     """
     if action not in TAINT_ACTIONS:
         return TaintPlan(taint=None, adds_taint=False)
     current = owned_taints(node, taint_key)
     adds = not current
-    if adds and not budget_allows():
-        return TaintPlan(taint=None, adds_taint=True, budget_blocked=True)
     same_value = [t for t in current if t.get("value") == action.value]
+    if any(t.get("effect") == NO_EXECUTE for t in same_value) and not rollback:
+        return TaintPlan(taint=TaintSpec(action.value, NO_EXECUTE), adds_taint=False, disruptive_ready=True)
+    if held or rollback:
+        return TaintPlan(taint=TaintSpec(action.value, NO_SCHEDULE), adds_taint=adds, budget_blocked=True)
     started = since if same_value else None  # a new or changed taint starts its grace now
-    has_no_execute = any(t.get("effect") == NO_EXECUTE for t in same_value)
-    ready = has_no_execute or grace_seconds <= 0 or (
-        started is not None and now - started >= grace_seconds)
-    effect = NO_EXECUTE if action is Action.REPLACE_NODE and ready else NO_SCHEDULE
+    ready = grace_seconds <= 0 or (started is not None and now - started >= grace_seconds)
+    evicts = action is Action.REPLACE_NODE or reboot_noexecute
+    effect = NO_EXECUTE if evicts and ready else NO_SCHEDULE
     return TaintPlan(taint=TaintSpec(action.value, effect), adds_taint=adds, disruptive_ready=ready)
 
 
-def plan_conditions(findings: Iterable[Finding], sticky_without_finding: bool,
-                    sticky_code: str = "",
-                    not_observed: Mapping[str, tuple[str, str]] | None = None) -> tuple[ConditionSpec, ...]:
-    """``GpuHealthy``/``EfaHealthy`` from the open findings (most severe first in the verdict).
+def carries_no_execute(node: Mapping, taint_key: str) -> bool:
+    """Does the node carry the agent's taint with NoExecute (its pods already taken off)?"""
+    return any(t.get("effect") == NO_EXECUTE for t in owned_taints(node, taint_key))
 
-    A replace taint that stands with no open finding (state lost, or the classifier forgot) keeps
-    ``GpuHealthy`` (or the recorded finding's condition) False: a condition must never say healthy
-    while the node carries the replace taint. A condition without findings whose area could not be
+
+@dataclass(frozen=True)
+class Pending:
+    """A taint the agent keeps with no open finding behind it: a ``replace_node`` taint (sticky
+    until an operator clears it) or a ``reboot_node`` taint whose node has not rebooted yet."""
+
+    code: str  # the finding code recorded when the taint went on ("" = unknown: GPU)
+    action: Action
+
+    @property
+    def reason(self) -> str:
+        return REPLACE_PENDING_REASON if self.action is Action.REPLACE_NODE else REBOOT_PENDING_REASON
+
+    @property
+    def message(self) -> str:
+        how = (f"an operator clears it with: kubectl annotate node NODE {CLEAR_ANNOTATION}=<new value> "
+               "--overwrite")
+        if self.action is Action.REPLACE_NODE:
+            return f"the node carries the agent's replace_node taint from an earlier fault; {how}"
+        return ("the node carries the agent's reboot_node taint from a fault and has not rebooted since "
+                f"(its boot id is the one recorded in {TAINT_BOOT_ANNOTATION}); the taint clears after a "
+                f"reboot when the checks pass, or {how}")
+
+
+def repair_state(taint: TaintPlan | None) -> str:
+    """How far the node action has come, for a gated vocabulary: ``ready`` (the taint is on, the
+    grace is over and the node holds a budget slot: an engine may repair), ``grace`` (the taint is
+    on, the job is still being given its grace) or ``held`` (NoSchedule only: the budget has no
+    slot for the node, or it lost one in a race)."""
+    if taint is None:
+        return "ready"
+    if taint.taint is None or taint.budget_blocked:
+        return "held"
+    return "ready" if taint.disruptive_ready else "grace"
+
+
+def plan_conditions(findings: Iterable[Finding], pending: Pending | None = None,
+                    not_observed: Mapping[str, tuple[str, str]] | None = None,
+                    vocab: Vocabulary = DEFAULT, taint: TaintPlan | None = None,
+                    leave: Iterable[str] = ()) -> tuple[ConditionSpec, ...]:
+    """The vocabulary's two conditions from the open findings (most severe first in the verdict).
+
+    ``GpuHealthy``/``EfaHealthy`` are ``False`` for any open finding of their area, with the code as
+    reason. A taint that stands with no open finding (``pending``) keeps its area's condition
+    ``False`` (``ReplacePending``/``RebootPending``): a condition must never say healthy while the
+    node carries the agent's taint. A condition without findings whose area could not be
     observed (``not_observed``: condition type -> (reason, message)) is ``Unknown``, not ``True``.
+
+    In a gated vocabulary (``eks``) ``False`` makes an engine replace the node, so it is ``False``
+    only for a node action the agent is taking, once ``taint`` is on, its grace is over and the node
+    holds a budget slot (see ``repair_state``), with the ecosystem's reason; before that, while the
+    budget holds the node, or for findings below a node action it is ``True`` with the findings in
+    the message. Types in ``leave``
+    belong to another writer and are not planned at all.
     """
-    by_condition: dict[str, list[Finding]] = {GPU_CONDITION: [], EFA_CONDITION: []}
+    by_area: dict[str, list[Finding]] = {GPU_AREA: [], EFA_AREA: []}
     for finding in findings:
-        by_condition[condition_of(finding.code)].append(finding)
+        by_area[area_of(finding.code)].append(finding)
+    skip = set(leave)
     specs = []
-    for ctype, group in by_condition.items():
-        if group:
-            group.sort(key=lambda f: (-f.action.severity, f.code, f.subject))
-            message = "; ".join(f"{f.code} {f.subject}: {f.summary} ({f.evidence})" for f in group)
-            specs.append(ConditionSpec(ctype, "False", group[0].code, _clip(message)))
-        elif sticky_without_finding and ctype == condition_of(sticky_code or "GPU"):
-            specs.append(ConditionSpec(
-                ctype, "False", REPLACE_PENDING_REASON,
-                "the node carries the agent's replace_node taint from an earlier fault; an operator "
-                f"clears it with: kubectl annotate node NODE {CLEAR_ANNOTATION}=<new value> --overwrite"))
+    for area, group in by_area.items():
+        ctype = vocab.type_of(area)
+        if ctype in skip:
+            continue
+        group.sort(key=lambda f: (-f.action.severity, f.code, f.subject))
+        listed = "; ".join(f"{f.code} {f.subject}: {f.summary} ({f.evidence})" for f in group)
+        pending_here = pending if pending is not None and area_of(pending.code or "GPU") == area else None
+        acting = [f for f in group if f.action in TAINT_ACTIONS]
+        if vocab.gated and acting:
+            specs.append(_repair_condition(ctype, vocab.reason_for(acting[0]), acting[0].action, listed,
+                                           repair_state(taint)))
+        elif vocab.gated and pending_here:
+            specs.append(_repair_condition(ctype, pending_here.reason, pending_here.action, pending_here.message,
+                                           repair_state(taint)))
+        elif group and not vocab.gated:
+            specs.append(ConditionSpec(ctype, "False", group[0].code, _clip(listed)))
+        elif group:
+            specs.append(ConditionSpec(ctype, "True", FINDINGS_WITHOUT_NODE_ACTION, _clip(
+                f"open findings that need no node action: {listed}")))
+        elif pending_here:
+            specs.append(ConditionSpec(ctype, "False", pending_here.reason, pending_here.message))
         elif ctype in (not_observed or {}):
             reason, message = (not_observed or {})[ctype]
             specs.append(ConditionSpec(ctype, "Unknown", reason, _clip(message)))
         else:
-            area = "EFA" if ctype == EFA_CONDITION else "GPU"
-            specs.append(ConditionSpec(ctype, "True", ALL_CHECKS_PASSED, f"no open {area} findings"))
+            words = "EFA" if area == EFA_AREA else "GPU"
+            specs.append(ConditionSpec(ctype, "True", ALL_CHECKS_PASSED, f"no open {words} findings"))
     return tuple(specs)
 
 
+def _repair_condition(ctype: str, reason: str, need: Action, message: str, state: str) -> ConditionSpec:
+    """A gated condition for an area whose findings (or pending taint) need a node action."""
+    if state == "ready":
+        return ConditionSpec(ctype, "False", reason, _clip(message))
+    if state == "held":
+        return ConditionSpec(ctype, "True", REPAIR_HELD_BY_BUDGET, _clip(
+            f"the node needs {need.value} ({reason}); the agent's NoSchedule taint keeps new pods off, and "
+            f"no repair is asked for until the disruption budget has a slot for this node: {message}"))
+    return ConditionSpec(ctype, "True", REPAIR_AFTER_GRACE, _clip(
+        f"the node needs {need.value} ({reason}); the agent's taint is on and this condition turns False "
+        f"when the job's NoExecute grace is over: {message}"))
+
+
 def not_observed_conditions(node: Mapping, unobserved: Iterable[str],
-                            health: Iterable[SourceHealth]) -> dict[str, tuple[str, str]]:
+                            health: Iterable[SourceHealth], vocab: Vocabulary = DEFAULT) -> dict[str, tuple[str, str]]:
     """Condition type -> (reason, message) for every unobserved subsystem that has a condition.
 
     The message says why, from the down sources' own detail (``health``), else in general words.
@@ -274,7 +418,8 @@ def not_observed_conditions(node: Mapping, unobserved: Iterable[str],
     for part in unobserved:
         if part not in NOT_OBSERVED:
             continue
-        ctype, reason, what, sources = NOT_OBSERVED[part]
+        reason, what, sources = NOT_OBSERVED[part]
+        ctype = vocab.type_of(part)
         have = existing.get(ctype) or {}
         if (have.get("status"), have.get("reason")) == ("Unknown", reason) and isinstance(have.get("message"), str):
             planned[ctype] = (reason, have["message"])
@@ -301,14 +446,16 @@ def plan_labels(
     hyperpod: bool,
     unobserved: bool = False,
 ) -> dict[str, str | None]:
-    """Owned labels: the health label always (it says what is wrong even when the budget holds the
-    taint back); HyperPod's labels only with ``hyperpod`` on.
+    """Owned labels: the health label always (it says what is wrong even while the budget holds the
+    node); HyperPod's labels only with ``hyperpod`` on.
 
     HyperPod reboots or replaces a node whose node-health-status says UnschedulablePending*, so
-    that value is disruptive: it is set only together with the agent's taint (never past the
-    budget) and only once the grace has passed (the job checkpoints first). When the agent's taint
-    is gone the label is given back as ``Schedulable`` (HyperPod's healthy value, which jobs select
-    on) - but only while it still holds the value the agent wrote; otherwise it is not touched.
+    that value is disruptive: it is set only together with the agent's taint, once the grace has
+    passed (the job checkpoints first) and only while the node holds a budget slot. When the
+    agent's taint is gone, or the budget holds the node (a slot lost in a race after the value was
+    written), the label is given back as ``Schedulable`` (HyperPod's healthy value, which jobs
+    select on; the taint still keeps pods off) - but only while it still holds the value the agent
+    wrote; otherwise it is not touched.
     """
     labels: dict[str, str | None] = {HEALTH_LABEL: health_value(shown, unobserved)}
     if not hyperpod:
@@ -320,7 +467,7 @@ def plan_labels(
         labels[HYPERPOD_HEALTH_LABEL] = HYPERPOD_PENDING[Action(taint.taint.value)]
         labels[HYPERPOD_FAULT_TYPES_LABEL] = fault_type_of(leading_code or "GPU")
         labels[HYPERPOD_FAULT_REASONS_LABEL] = _label_value(leading_code or REPLACE_PENDING_REASON)
-    elif taint.taint is None and ours_now:
+    elif ours_now and (taint.taint is None or taint.budget_blocked):
         labels[HYPERPOD_HEALTH_LABEL] = HYPERPOD_SCHEDULABLE
         labels[HYPERPOD_FAULT_TYPES_LABEL] = None
         labels[HYPERPOD_FAULT_REASONS_LABEL] = None

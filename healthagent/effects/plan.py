@@ -3,18 +3,27 @@
 ``plan_node`` is the whole decision of the write side and does no I/O and reads no clock (``now``
 is an argument). The effects ask it once per attempt; both the node patch (labels, annotations,
 taints) and the ``/status`` patch (conditions) come from that one plan. The budget is an input:
-when the plan would ADD the agent's taint and the budget was not asked yet, the plan says so
-(``asks_budget``) and holds the taint back; the caller asks the budget (a cluster read) and plans
-again with the answer. Nothing else in a plan depends on the cluster.
+whether this node holds a slot of the disruption budget. Before planning, a node that holds none
+asks whether the plan has a disruptive step ahead (``needs_budget``) and, if so, the budget (a
+cluster read: ``BudgetGuard``), and plans with the answer. Nothing else in a plan depends on the
+cluster.
+
+The budget guards the disruptive steps only: NoExecute after the grace, HyperPod's
+``UnschedulablePending*`` value, a gated condition's ``False``. NoSchedule is never budgeted: a node
+with a node action always gets it, so new pods stay off a faulty GPU while its running pods are
+untouched. A node without a slot is *held* there (``TaintPlan.budget_blocked``) until one frees.
 
 What the plan decides, in order:
   1. the findings that count: the verdict's, minus those an operator cleared (the record's
      ``cleared`` keys, and all of them when the node carries a new ``healthagent.io/clear``);
   2. the action shown: their most severe, except that a ``replace_node`` taint on the node is
-     sticky until an operator clears it, and a ``reboot_node`` taint whose finding's subsystem is
-     unobserved stays (unobserved is not healthy);
-  3. the taint (``node_desired.plan_taint``: NoSchedule, NoExecute after the grace, the budget),
-     the conditions, the labels and the clear-handled annotation (``node_desired``);
+     sticky until an operator clears it, and a ``reboot_node`` taint stays while its finding's
+     subsystem is unobserved (unobserved is not healthy) and until the node reports a new boot id
+     (``node_desired.reboot_outstanding``: only a reboot clears it);
+  3. the taint (``node_desired.plan_taint``: NoSchedule, NoExecute after the grace with a slot),
+     the conditions in the configured vocabulary (in ``eks`` mode ``False`` only once the taint is
+     on past its grace with a slot, so the budget gates them too; none of a type another writer
+     owns), the labels, the clear-handled and taint-boot-id annotations (``node_desired``);
   4. the patches: only what differs from the node.
 """
 
@@ -24,13 +33,17 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable
 
+from healthagent.effects.conditions import vocabulary
 from healthagent.effects.node_desired import (
     CLEAR_ANNOTATION,
     CLEAR_HANDLED_ANNOTATION,
     TAINT_ACTIONS,
     DesiredNode,
+    Pending,
     TaintPlan,
     annotations_of,
+    boot_annotation,
+    carries_no_execute,
     grace_start,
     node_patch,
     not_observed_conditions,
@@ -39,6 +52,7 @@ from healthagent.effects.node_desired import (
     plan_conditions,
     plan_labels,
     plan_taint,
+    reboot_outstanding,
     status_patch,
 )
 from healthagent.effects.record import AppliedTaint
@@ -46,12 +60,12 @@ from healthagent.model import Action, Finding, SourceHealth, Verdict
 
 
 class Budget(enum.Enum):
-    """What the disruption budget said about adding the agent's taint."""
+    """What the disruption budget said about this node's disruptive step."""
 
-    UNASKED = "unasked"  # not needed: the plan adds no taint (one that would is held back)
-    ALLOWS = "allows"
-    HOLDS = "holds"  # over budget, or the count failed: no new taint
-    ROLLBACK = "rollback"  # this node lost a race past the limit: its new taint comes off again
+    UNASKED = "unasked"  # not asked: no disruptive step ahead (one that is ahead is held: fail closed)
+    ALLOWS = "allows"  # this node holds a slot
+    HOLDS = "holds"  # no slot (all held, the Leases unreadable): held at NoSchedule
+    ROLLBACK = "rollback"  # its slot was reclaimed before its write landed: back to held NoSchedule
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,8 @@ class PlanSettings:
     taint_key: str
     grace_seconds: float
     hyperpod_labels: bool
+    reboot_noexecute: bool = True  # reboot_node gets NoExecute after the grace, as replace_node does
+    condition_vocabulary: str = "healthagent"  # or "eks" (effects/conditions.py)
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,7 @@ class NodePlan:
     shown: Action
     leading_key: str
     leading_code: str
+    wants_slot: bool = False  # a slot covers this plan's disruptive step (``slot_wanted``)
 
     @property
     def writes(self) -> int:
@@ -120,6 +137,7 @@ class Decision:
     shown: Action
     clear: ClearRequest | None
     sticky: bool  # the agent's replace_node taint is on the node and no clear asks it off
+    awaits_reboot: bool = False  # its reboot_node taint is on and the node has not rebooted since
 
 
 def decide(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None, cleared: Iterable[str],
@@ -130,45 +148,83 @@ def decide(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | Non
     action = Action.most_severe([f.action for f in findings])
     on_node = {t.get("value") for t in owned_taints(node, taint_key)} if clear is None else set()
     sticky = Action.REPLACE_NODE.value in on_node
-    held = Action.REBOOT_NODE.value in on_node and blind_to(verdict, taint_record.code if taint_record else "")
+    rebooting = Action.REBOOT_NODE.value in on_node
+    awaits_reboot = rebooting and reboot_outstanding(node)
+    held = rebooting and (awaits_reboot or blind_to(verdict, taint_record.code if taint_record else ""))
     shown = Action.REPLACE_NODE if sticky else (
         Action.most_severe([action, Action.REBOOT_NODE]) if held else action)
-    return Decision(findings, shown, clear, sticky)
+    return Decision(findings, shown, clear, sticky, awaits_reboot)
+
+
+def disruptive_step_ahead(action: Action, settings: PlanSettings) -> bool:
+    """Does ``action`` lead to a disruptive step, one that takes the job's pods off or has the
+    node repaired: NoExecute after the grace (replace_node; reboot_node unless
+    ``reboot_noexecute`` is off), HyperPod's ``UnschedulablePending*`` value, a gated condition's
+    ``False``? NoSchedule alone is not one."""
+    if action not in TAINT_ACTIONS:
+        return False
+    return (action is Action.REPLACE_NODE or settings.reboot_noexecute or settings.hyperpod_labels
+            or vocabulary(settings.condition_vocabulary).gated)
+
+
+def slot_wanted(shown: Action, node: dict, settings: PlanSettings) -> bool:
+    """Should this node hold a budget slot: its node action has a disruptive step ahead, or the
+    agent's NoExecute is on it already (the disruption it counts was taken)? The slot is taken
+    when the node is first tainted, not when the grace ends, so it is reserved while the job
+    gets its grace (see docs/design.md)."""
+    return shown in TAINT_ACTIONS and (disruptive_step_ahead(shown, settings)
+                                       or carries_no_execute(node, settings.taint_key))
 
 
 def needs_budget(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None,
-                 cleared: Iterable[str], taint_key: str) -> bool:
-    """Would the plan ADD the agent's taint (the only step the budget is asked about)?"""
-    decision = decide(verdict, node, taint_record, cleared, taint_key)
-    return decision.shown in TAINT_ACTIONS and not owned_taints(node, taint_key)
+                 cleared: Iterable[str], settings: PlanSettings) -> bool:
+    """Would the plan take a disruptive step, now or once the grace is over, that a budget slot
+    must cover? The caller asks the budget only while this node holds no slot
+    (``BudgetGuard.holds_slot``); healing (clearing, removing the taint) never asks."""
+    decision = decide(verdict, node, taint_record, cleared, settings.taint_key)
+    return slot_wanted(decision.shown, node, settings)
+
+
+def pending_taint(decision: Decision, taint_record: AppliedTaint | None, blind: bool) -> Pending | None:
+    """The taint the node keeps with no open finding behind it, if any: a sticky ``replace_node``
+    without a replace finding, a ``reboot_node`` waiting for its reboot without a finding that
+    needs one (while its part is unobserved, the condition says Unknown instead)."""
+    code = taint_record.code if taint_record else ""
+    if decision.sticky and all(f.action is not Action.REPLACE_NODE for f in decision.findings):
+        return Pending(code, Action.REPLACE_NODE)
+    if decision.awaits_reboot and not blind and all(f.action not in TAINT_ACTIONS for f in decision.findings):
+        return Pending(code, Action.REBOOT_NODE)
+    return None
 
 
 def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None, cleared: Iterable[str],
               budget: Budget, settings: PlanSettings, now: float,
-              health: Iterable[SourceHealth] = ()) -> NodePlan:
-    """The plan for ``node`` (as last read) under ``verdict``; pure."""
+              health: Iterable[SourceHealth] = (), foreign: Iterable[str] = ()) -> NodePlan:
+    """The plan for ``node`` (as last read) under ``verdict``; pure. ``foreign``: condition types
+    another writer owns on this node (``NodeFacts.foreign``), which the plan leaves alone."""
     key = settings.taint_key
     decision = decide(verdict, node, taint_record, cleared, key)
     findings, shown, clear = decision.findings, decision.shown, decision.clear
-    if budget is Budget.ROLLBACK:
-        taint = TaintPlan(taint=None, adds_taint=True, budget_blocked=True)
-    else:
-        since = grace_start(node, key, shown.value,
-                            taint_record.since if taint_record and taint_record.value == shown.value else None)
-        taint = plan_taint(action=shown, node=node, taint_key=key, grace_seconds=settings.grace_seconds,
-                           since=since, now=now, budget_allows=lambda: budget is Budget.ALLOWS)
+    since = grace_start(node, key, shown.value,
+                        taint_record.since if taint_record and taint_record.value == shown.value else None)
+    held = budget is not Budget.ALLOWS and disruptive_step_ahead(shown, settings)
+    taint = plan_taint(action=shown, node=node, taint_key=key, grace_seconds=settings.grace_seconds,
+                       since=since, now=now, held=held, reboot_noexecute=settings.reboot_noexecute,
+                       rollback=budget is Budget.ROLLBACK)
     leading_code = findings[0].code if findings else (taint_record.code if taint_record else "")
     unobserved = verdict.unobserved if verdict is not None else ()
+    vocab = vocabulary(settings.condition_vocabulary)
     conditions = plan_conditions(
-        findings,
-        sticky_without_finding=decision.sticky and all(f.action is not Action.REPLACE_NODE for f in findings),
-        sticky_code=taint_record.code if taint_record else "",
-        not_observed=not_observed_conditions(node, unobserved, health))
+        findings, pending=pending_taint(decision, taint_record,
+                                         blind_to(verdict, taint_record.code if taint_record else "")),
+        not_observed=not_observed_conditions(node, unobserved, health, vocab), vocab=vocab, taint=taint,
+        leave=foreign)
     labels = plan_labels(node=node, shown=shown, taint=taint, leading_code=leading_code,
                          hyperpod=settings.hyperpod_labels, unobserved=bool(unobserved))
     annotations = {CLEAR_HANDLED_ANNOTATION: clear.token} if clear else {}
+    annotations.update(boot_annotation(node, taint, findings))
     desired = DesiredNode(taint=taint.taint, labels=labels, annotations=annotations, conditions=conditions)
     return NodePlan(desired=desired, node_patch=node_patch(node, desired, key, now),
                     status_patch=status_patch(node, desired, now), taint=taint, clear=clear,
                     findings=findings, shown=shown, leading_key=findings[0].key if findings else "",
-                    leading_code=leading_code)
+                    leading_code=leading_code, wants_slot=slot_wanted(shown, node, settings))

@@ -91,8 +91,9 @@ HEALTH: tuple[MetricSpec, ...] = (
           "1 for the node's verdict action, 0 for the other five actions."),
     _spec("node_taint_applied", "gauge", "", "1 while the agent's own taint is on the node."),
     _spec("budget_holding_taint", "gauge", "",
-          "1 while the verdict wants a taint that the cluster-wide budget holds back."),
-    _spec("budget_blocked_total", "counter", "", "Taints the cluster-wide budget held back."),
+          "1 while the cluster-wide disruption budget holds the node at NoSchedule, waiting for a "
+          "slot before its disruptive step."),
+    _spec("budget_blocked_total", "counter", "", "Times the disruption budget held the node at NoSchedule."),
     _spec("kube_writes_total", "counter", "kind result",
           "Kubernetes API writes by kind node|node_status|event and result ok|conflict|error."),
     _spec("kube_reachable", "gauge", "", "1 when the last Kubernetes API call succeeded."),

@@ -1,4 +1,4 @@
-"""Least privilege, proven against a real kube-apiserver: RBAC plus both admission policies.
+"""Least privilege, proven against a real kube-apiserver: RBAC plus the three admission policies.
 
 ``test_rbac.py`` and ``test_admission_policy.py`` check the manifests offline (the grants against
 the calls in healthagent/effects/backend.py, the policies' CEL in Google's CEL runtime). Here the
@@ -9,14 +9,16 @@ server turns into ``request.userInfo.extra["authentication.kubernetes.io/node-na
 as for the DaemonSet's pods. Then a matrix of calls made with that token must be allowed or denied
 as designed, each denial by the layer that should deny it (RBAC: 403 ``cannot <verb> resource``;
 a policy: 403 naming the policy and its message), and the agent's own ``NodeEffects`` must get a
-whole XID 95 reaction onto its node with nothing refused (the privileges are sufficient).
+whole XID 95 reaction onto its node with nothing refused (the privileges are sufficient),
+holding a budget slot while tainted and giving it back after the clear.
 
-Every test gets fresh Nodes A and B (unique names on the shared server), so no case depends on
-another's writes. Skips without the binaries (the ``control_plane`` fixture) or kubectl.
+Every test gets fresh Nodes A and B (unique names on the shared server) and budget slot Leases of
+its own (unique slot numbers), so no case depends on another's writes. Skips without the binaries (the ``control_plane`` fixture) or kubectl.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +26,17 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from healthagent.effects.backend import ApiBackend
+from healthagent.effects.budget import (
+    BUDGET_LABEL,
+    COUNT_LEASE,
+    claimed_count,
+    held_lease,
+    new_lease,
+    released_lease,
+    slot_name,
+)
+from healthagent.effects.budget_leases import LeaseStore
 from healthagent.effects.events import EVENTS_NAMESPACE, REPORTING_CONTROLLER, EventSpec, event_body
 from healthagent.effects.kube import NodeEffects
 from healthagent.effects.node_desired import (
@@ -51,6 +64,9 @@ ACCOUNT = "healthagent"
 USER = f"system:serviceaccount:{NAMESPACE}:{ACCOUNT}"
 NODE_POLICY = "healthagent-own-node-only"
 EVENT_POLICY = "healthagent-own-node-events"
+LEASE_POLICY = "healthagent-own-budget-slot"
+HEARTBEATS = "kube-node-lease"  # the kubelets' heartbeat Leases
+_slots = itertools.count(1000)  # slot numbers no other test of the module uses
 ACCESS_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
                 "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 STRATEGIC = "application/strategic-merge-patch+json"
@@ -115,12 +131,14 @@ class Apis:
 
     core: Any
     events: Any
+    leases: Any
 
     @classmethod
     def of(cls, api_client: Any) -> "Apis":
         from kubernetes import client
 
-        return cls(client.CoreV1Api(api_client), client.EventsV1Api(api_client))
+        return cls(client.CoreV1Api(api_client), client.EventsV1Api(api_client),
+                   client.CoordinationV1Api(api_client))
 
 
 @dataclass
@@ -135,12 +153,23 @@ class World:
     agent_b: Apis  # the token of the pod on B
     unbound: Apis  # a token of the same service account that names no node
     uids: dict[str, str] = field(default_factory=dict)
+    slot: int = field(default_factory=lambda: next(_slots))  # this test's budget slot number
 
     def node(self, name: str | None = None) -> dict[str, Any]:
         """The node as the API server stores it (plain JSON, through the admin)."""
         reply = self.plane.admin_session().get(f"{self.plane.url}/api/v1/nodes/{name or self.a}", timeout=10)
         reply.raise_for_status()
         return reply.json()
+
+    def leases(self) -> dict[str, dict[str, Any]]:
+        """The budget's Leases by name, as the API server stores them (through the admin)."""
+        reply = self.plane.admin_session().get(
+            f"{self.plane.url}/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases", timeout=10)
+        reply.raise_for_status()
+        return {i["metadata"]["name"]: i for i in reply.json()["items"]}
+
+    def lease(self, name: str | None = None) -> dict[str, Any] | None:
+        return self.leases().get(name or slot_name(self.slot))
 
 
 def node_object(name: str) -> dict[str, Any]:
@@ -225,6 +254,9 @@ def wait_until_policies_enforce(world: World) -> None:
     wait_for(lambda: refused_by(EVENT_POLICY, lambda: world.agent.events.create_namespaced_event(
         EVENTS_NAMESPACE, agent_event(world.b, world.uids[world.b]), dry_run="All")),
         POLICY_TIMEOUT, f"{EVENT_POLICY} to refuse an Event about another node")
+    wait_for(lambda: refused_by(LEASE_POLICY, lambda: world.agent.leases.create_namespaced_lease(
+        NAMESPACE, slot_lease(world, world.b), dry_run="All")),
+        POLICY_TIMEOUT, f"{LEASE_POLICY} to refuse a budget slot in another node's name")
 
 
 @pytest.fixture
@@ -249,6 +281,8 @@ def world(control_plane, access, unique_name) -> Iterator[World]:
             attempt(lambda: admin.core.delete_namespaced_pod(pod.metadata.name, NAMESPACE, grace_period_seconds=0))
         for name in uids:
             attempt(lambda: admin.core.delete_node(name))
+        if "world" in locals():  # this test's slot, so no later agent finds it held by a deleted node
+            attempt(lambda: admin.leases.delete_namespaced_lease(slot_name(world.slot), NAMESPACE))
 
 
 # -- the writes, as the agent (or a bug, or an attacker with its token) would send them ------------------
@@ -318,6 +352,65 @@ def add_own_taint_as_admin(world: World) -> None:
     strategic(world, world.a, {"spec": {"taints": taints(world, world.a) + [dict(OWN_TAINT)]}}, apis=world.admin)
 
 
+# -- the budget's Leases, as the agent writes them (healthagent/effects/budget.py) -------------------------
+
+def slot_lease(world: World, holder: str = "") -> dict:
+    """This test's slot Lease held by ``holder``, or free."""
+    lease = new_lease(slot_name(world.slot), NAMESPACE, "slot")
+    return held_lease(lease, holder, T0, acquired=True) if holder else lease
+
+
+def slot_as_admin(holder: str = "") -> Callable[[World], None]:
+    """Setup: this test's slot exists, held by node ``holder`` ("a", "b") or free."""
+    def prepare(world: World) -> None:
+        world.admin.leases.create_namespaced_lease(NAMESPACE, slot_lease(world, getattr(world, holder) if holder else ""))
+    return prepare
+
+
+def take_slot(world: World, holder: str, apis: Apis | None = None, acquired: bool = True) -> Any:
+    """Hold this test's slot in ``holder``'s name: a create when it does not exist, else an
+    update with the version read (as the agent's take, reclaim and re-write)."""
+    apis = apis or world.agent
+    current = world.lease()
+    body = held_lease(current or new_lease(slot_name(world.slot), NAMESPACE, "slot"), holder, T0 + 1,
+                      acquired=acquired)
+    if current is None:
+        return apis.leases.create_namespaced_lease(NAMESPACE, body)
+    return apis.leases.replace_namespaced_lease(body["metadata"]["name"], NAMESPACE, body)
+
+
+def give_back(world: World, apis: Apis | None = None) -> Any:
+    body = released_lease(world.lease() or {})
+    return (apis or world.agent).leases.replace_namespaced_lease(body["metadata"]["name"], NAMESPACE, body)
+
+
+def holder(world: World, name: str | None = None) -> str:
+    return ((world.lease(name) or {}).get("spec") or {}).get("holderIdentity") or ""
+
+
+def claim_count(world: World) -> Any:
+    """The agent claims the fleet's count (the shared count Lease, created if absent)."""
+    current = world.lease(COUNT_LEASE)
+    body = claimed_count(current or new_lease(COUNT_LEASE, NAMESPACE, "count"), world.a, T0)
+    if current is None:
+        return world.agent.leases.create_namespaced_lease(NAMESPACE, body)
+    return world.agent.leases.replace_namespaced_lease(COUNT_LEASE, NAMESPACE, body)
+
+
+def count_own_node(world: World) -> int:
+    """The budget's GPU node count (a Table without objects) with the agent's token; exactly 1."""
+    counted = LeaseStore(ApiBackend(world.agent.core.api_client, world.a), NAMESPACE).count_nodes(
+        f"kubernetes.io/hostname={world.a}")
+    assert counted == 1, counted
+    return counted
+
+
+def foreign_lease(name: str, namespace: str, node: str) -> dict:
+    lease = held_lease(new_lease(name, namespace, "slot"), node, T0, acquired=True)
+    lease["metadata"]["labels"] = {}
+    return lease
+
+
 def own_taints(world: World, name: str | None = None) -> list[dict]:
     return [t for t in taints(world, name or world.a) if t["key"] == TAINT_KEY]
 
@@ -352,7 +445,8 @@ class ByPolicy:
 
     def check(self, world: World, outcome: Outcome) -> None:
         assert (outcome.status, outcome.reason) == (403, "Forbidden"), outcome
-        assert policy_denial(self.policy, self.message.format(a=world.a, b=world.b)) in outcome.message, outcome
+        message = self.message.format(a=world.a, b=world.b, slot=slot_name(world.slot))
+        assert policy_denial(self.policy, message) in outcome.message, outcome
 
 
 @dataclass(frozen=True)
@@ -389,6 +483,10 @@ CAPACITY = "healthagent may not change a node's capacity or allocatable resource
 EVENT_OTHER_NODE = "healthagent on node {a} may write Events only about its own node, not about Node {b}"
 EVENT_NO_NODE = ("healthagent: the service-account token names no node (Kubernetes 1.30+ with "
                  "ServiceAccountTokenPodNodeInfo is required); refusing to write an Event about Node {a}")
+HOLD_ONLY = "healthagent on node {a} may hold a budget Lease only in its own name or give back its own, "
+LEASE_NO_NODE = ("healthagent: the service-account token names no node (Kubernetes 1.30+ with "
+                 "ServiceAccountTokenPodNodeInfo is required); refusing to write Lease {slot}")
+LEASE = "coordination.k8s.io"
 
 
 def hyperpod_labels() -> dict[str, str]:
@@ -473,6 +571,29 @@ ALLOWED = {
     "node B's agent taints node B": Case(
         lambda w: strategic(w, w.b, {"spec": {"taints": taints(w, w.b) + [dict(OWN_TAINT)]}}, apis=w.agent_b),
         Allowed(lambda w: own_taints(w, w.b) == [OWN_TAINT])),
+    # the disruption budget's Leases, in its own namespace
+    "list the budget's Leases from the watch cache": Case(
+        lambda w: w.agent.leases.list_namespaced_lease(NAMESPACE, label_selector=BUDGET_LABEL, resource_version="0"),
+        Allowed()),
+    "get a budget slot": Case(
+        lambda w: w.agent.leases.read_namespaced_lease(slot_name(w.slot), NAMESPACE), Allowed(),
+        prepare=slot_as_admin()),
+    "create a budget slot in its own name (the first to take it)": Case(
+        lambda w: take_slot(w, w.a), Allowed(lambda w: holder(w) == w.a)),
+    "take a free slot (an update with the version read)": Case(
+        lambda w: take_slot(w, w.a), Allowed(lambda w: holder(w) == w.a), prepare=slot_as_admin()),
+    "reclaim node B's (stale) slot": Case(
+        lambda w: take_slot(w, w.a), Allowed(lambda w: holder(w) == w.a), prepare=slot_as_admin("b")),
+    "re-write its own slot after tainting": Case(
+        lambda w: take_slot(w, w.a, acquired=False), Allowed(lambda w: holder(w) == w.a), prepare=slot_as_admin("a")),
+    "give back its own slot": Case(
+        lambda w: give_back(w), Allowed(lambda w: w.lease() is not None and holder(w) == ""),
+        prepare=slot_as_admin("a")),
+    "claim the fleet's GPU node count in its own name": Case(
+        claim_count, Allowed(lambda w: holder(w, COUNT_LEASE) == w.a)),
+    "count the GPU nodes as a Table without the objects": Case(count_own_node, Allowed()),
+    "node B's agent takes a free slot": Case(
+        lambda w: take_slot(w, w.b, apis=w.agent_b), Allowed(lambda w: holder(w) == w.b), prepare=slot_as_admin()),
 }
 
 DENIED_BY_POLICY = {
@@ -588,6 +709,21 @@ DENIED_BY_POLICY = {
     "no node in the token: an Event about node A": Case(
         lambda w: w.unbound.events.create_namespaced_event(EVENTS_NAMESPACE, agent_event(w.a, w.uids[w.a])),
         ByPolicy(EVENT_POLICY, EVENT_NO_NODE)),
+    # budget slots in another node's name, or another node's given back
+    "create a budget slot in node B's name": Case(
+        lambda w: take_slot(w, w.b), ByPolicy(LEASE_POLICY, HOLD_ONLY + "not hold {slot} as {b}")),
+    "take a free slot for node B": Case(
+        lambda w: take_slot(w, w.b), ByPolicy(LEASE_POLICY, HOLD_ONLY + "not hold {slot} as {b}"),
+        prepare=slot_as_admin()),
+    "give back node B's slot": Case(
+        lambda w: give_back(w), ByPolicy(LEASE_POLICY, HOLD_ONLY + "not give back {slot} held by {b}"),
+        prepare=slot_as_admin("b")),
+    "a Lease in its namespace that is not the budget's": Case(
+        lambda w: w.agent.leases.create_namespaced_lease(NAMESPACE, foreign_lease("healthagent-leader", NAMESPACE, w.a)),
+        ByPolicy(LEASE_POLICY, "healthagent may write only the budget Leases healthagent-budget-*, not Lease "
+                               "healthagent-leader")),
+    "no node in the token: take a free slot": Case(
+        lambda w: take_slot(w, w.a, apis=w.unbound), ByPolicy(LEASE_POLICY, LEASE_NO_NODE), prepare=slot_as_admin()),
 }
 
 
@@ -625,6 +761,25 @@ DENIED_BY_RBAC = {
         lambda w: w.agent.events.patch_namespaced_event("anything", EVENTS_NAMESPACE, {"note": "x"},
                                                         _content_type="application/merge-patch+json"),
         ByRbac("patch", "events", "events.k8s.io")),
+    "renew node B's heartbeat Lease in kube-node-lease": Case(
+        lambda w: w.agent.leases.replace_namespaced_lease(w.b, HEARTBEATS, foreign_lease(w.b, HEARTBEATS, w.b)),
+        ByRbac("update", "leases", LEASE)),
+    "create a Lease in another namespace": Case(
+        lambda w: w.agent.leases.create_namespaced_lease(EVENTS_NAMESPACE, slot_lease(w, w.a)),
+        ByRbac("create", "leases", LEASE)),
+    "delete a budget slot": Case(
+        lambda w: w.agent.leases.delete_namespaced_lease(slot_name(w.slot), NAMESPACE), ByRbac("delete", "leases", LEASE),
+        prepare=slot_as_admin("b")),
+    "patch a budget slot": Case(
+        lambda w: w.agent.leases.patch_namespaced_lease(slot_name(w.slot), NAMESPACE, {"spec": {"holderIdentity": w.a}},
+                                                        _content_type="application/merge-patch+json"),
+        ByRbac("patch", "leases", LEASE), prepare=slot_as_admin("b")),
+    "watch the budget's Leases": Case(
+        lambda w: w.agent.leases.list_namespaced_lease(NAMESPACE, watch=True, timeout_seconds=1,
+                                                       _preload_content=False).data,
+        ByRbac("watch", "leases", LEASE)),
+    "list Leases in every namespace": Case(
+        lambda w: w.agent.leases.list_lease_for_all_namespaces(), ByRbac("list", "leases", LEASE)),
 }
 
 MATRIX = {**ALLOWED, **DENIED_BY_POLICY, **DENIED_BY_RBAC}
@@ -656,11 +811,11 @@ def test_access_matrix(world, case):
     """One call with the agent's real credential: allowed and landed, or denied by the right layer."""
     if case.prepare is not None:
         case.prepare(world)
-    before = {name: world.node(name) for name in (world.a, world.b)}
+    before = ({name: world.node(name) for name in (world.a, world.b)}, world.leases())
     outcome = attempt(lambda: case.call(world))
     case.expect.check(world, outcome)
-    if not isinstance(case.expect, Allowed):  # a denial leaves both nodes exactly as they were
-        assert {name: world.node(name) for name in (world.a, world.b)} == before
+    if not isinstance(case.expect, Allowed):  # a denial leaves both nodes and the Leases as they were
+        assert ({name: world.node(name) for name in (world.a, world.b)}, world.leases()) == before
 
 
 # -- the agent itself, with nothing but its own privileges --------------------------------------------------
@@ -673,6 +828,11 @@ def agent_events(world: World) -> list[dict]:
     return [e for e in reply.json()["items"] if (e.get("regarding") or {}).get("name") == world.a]
 
 
+def budget_slots_held_by(world: World, node: str) -> int:
+    return sum(1 for name, lease in world.leases().items()
+               if name.startswith("healthagent-budget-slot-") and (lease.get("spec") or {}).get("holderIdentity") == node)
+
+
 def refused(effects: NodeEffects) -> dict[str, int]:
     return {kind: n for kind, n in effects.errors.items() if "rejected" in kind}
 
@@ -680,10 +840,10 @@ def refused(effects: NodeEffects) -> dict[str, int]:
 @pytest.mark.parametrize("hyperpod", [False, True], ids=["generic", "hyperpod-labels"])
 def test_the_agent_reacts_to_xid95_with_only_its_privileges(world, tmp_path, hyperpod):
     """NodeEffects with the pod-bound token of node A, watch on, through a whole XID 95: the
-    NoSchedule taint, health label, GpuHealthy False and the Event; after the grace NoExecute (and
-    HyperPod's labels); then an operator's clear (taint removed, clear-handled annotation, a
-    Cleared Event, HyperPod's label given back). Nothing is refused at any step: least privilege
-    is enough for everything the agent does."""
+    NoSchedule taint (holding a budget slot in its namespace), health label, GpuHealthy False and
+    the Event; after the grace NoExecute (and HyperPod's labels); then an operator's clear (taint
+    removed, slot given back, clear-handled annotation, a Cleared Event, HyperPod's label given
+    back). Nothing is refused at any step: least privilege is enough for everything the agent does."""
     settings = settings_for(tmp_path, world.a, budget_node_selector=f"kubernetes.io/hostname={world.a}",
                             hyperpod_labels=hyperpod)
     store = StateStore(settings.state_file)
@@ -698,6 +858,7 @@ def test_the_agent_reacts_to_xid95_with_only_its_privileges(world, tmp_path, hyp
         wait_for(lambda: effects.watching, 60, "the agent's watch on its own node")
         nothing_pending_nor_refused(effects.reconcile(XID95, T0, "boot-1"))
         assert [(t["value"], t["effect"]) for t in own_taints(world)] == [("replace_node", "NoSchedule")]
+        assert budget_slots_held_by(world, world.a) == 1
         assert labels(world)[HEALTH_LABEL] == REPLACE_REQUIRED
         assert HYPERPOD_HEALTH_LABEL not in labels(world)  # not before the grace
         assert condition_status(world, GPU_CONDITION) == "False"
@@ -714,7 +875,7 @@ def test_the_agent_reacts_to_xid95_with_only_its_privileges(world, tmp_path, hyp
                  60, "the watch to bring the operator's clear")
         nothing_pending_nor_refused(effects.reconcile(XID95, after_grace + 10, "boot-1"))
         node = world.node()
-        assert own_taints(world) == []
+        assert own_taints(world) == [] and budget_slots_held_by(world, world.a) == 0
         assert node["metadata"]["annotations"][CLEAR_HANDLED_ANNOTATION] == "ticket-7"
         assert sorted(e["reason"] for e in agent_events(world)) == ["Cleared", "GPU_XID"]
         assert (labels(world).get(HYPERPOD_HEALTH_LABEL) == HYPERPOD_SCHEDULABLE) is hyperpod

@@ -1,9 +1,13 @@
 """The agent's RBAC: exactly the API calls the agent makes, nothing else; read-only in dry-run.
 
 The expected grants are not a hand-kept list: they are derived from the ``kubernetes`` client
-calls in healthagent/effects/backend.py, so a new call there without its RBAC (a 403 on a real
-cluster, invisible to the fake API server of the effects tests) fails here. A ``list_*`` call
-made with ``watch=True`` is the ``watch`` verb (the API server authorizes a watch as such).
+calls in healthagent/effects/backend.py and healthagent/effects/budget_leases.py, so a new call
+there without its RBAC (a 403 on a real cluster, invisible to the fake API server of the effects
+tests) fails here. A ``list_*`` call made with ``watch=True`` is the ``watch`` verb (the API server
+authorizes a watch as such); a request the client's serializer builds by hand
+(``resource_path=...``) is mapped by its method and path. The budget's Leases are granted by a
+Role in the agent's own namespace, never cluster-wide (the nodes' heartbeat Leases live in
+``kube-node-lease``).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from tests.support.deploy import OVERLAYS, REPO, find
 
 pytestmark = pytest.mark.integration
 
-BACKEND = REPO / "healthagent" / "effects" / "backend.py"
-# kubernetes client method -> (API group, resource, verb); ``core`` is CoreV1Api, ``events`` EventsV1Api.
+SOURCES = (REPO / "healthagent" / "effects" / "backend.py", REPO / "healthagent" / "effects" / "budget_leases.py")
+# kubernetes client method -> (API group, resource, verb); ``core`` is CoreV1Api, ``events``
+# EventsV1Api, ``leases`` CoordinationV1Api.
 CLIENT_CALLS = {
     ("core", "read_node"): ("", "nodes", "get"),
     ("core", "list_node"): ("", "nodes", "list"),
@@ -29,7 +34,15 @@ CLIENT_CALLS = {
     ("core", "replace_node_status"): ("", "nodes/status", "update"),
     ("events", "create_namespaced_event"): ("events.k8s.io", "events", "create"),
     ("events", "patch_namespaced_event"): ("events.k8s.io", "events", "patch"),
+    ("leases", "list_namespaced_lease"): ("coordination.k8s.io", "leases", "list"),
+    ("leases", "read_namespaced_lease"): ("coordination.k8s.io", "leases", "get"),
+    ("leases", "create_namespaced_lease"): ("coordination.k8s.io", "leases", "create"),
+    ("leases", "replace_namespaced_lease"): ("coordination.k8s.io", "leases", "update"),
+    ("leases", "patch_namespaced_lease"): ("coordination.k8s.io", "leases", "patch"),
+    ("leases", "delete_namespaced_lease"): ("coordination.k8s.io", "leases", "delete"),
+    ("raw", "GET /api/v1/nodes"): ("", "nodes", "list"),
 }
+ROLES = {"healthagent-events": ("events.k8s.io", "events"), "healthagent-budget": ("coordination.k8s.io", "leases")}
 VERB_ORDER = ["get", "list", "watch", "create", "update", "patch", "delete"]
 READ_ONLY = {("", "nodes"): ["get", "list"]}
 
@@ -70,17 +83,22 @@ def call_arguments(source: str, start: int, end: int) -> str:
 
 
 def client_calls(source: str) -> set[tuple[str, str, bool]]:
-    """(api, method, is a watch) for every ``self.core.X``/``self.events.X`` in the source."""
+    """(api, method, is a watch) for every ``self.core.X``/``self.events.X``/``self.leases.X`` in
+    the source, and ("raw", "METHOD path") for every request built with ``resource_path=``."""
     calls = set()
-    for match in re.finditer(r"self\.(core|events)\.(\w+)", source):
+    for match in re.finditer(r"self\.(core|events|leases)\.(\w+)", source):
+        if match.group(2) == "api_client":
+            continue
         arguments = call_arguments(source, match.start(), match.end())
         watching = bool(re.search(r"\bwatch\s*=\s*True\b", arguments))
         calls.add((match.group(1), match.group(2), watching))
+    for match in re.finditer(r'method="(\w+)",\s*resource_path="([^"]+)"', source):
+        calls.add(("raw", f"{match.group(1)} {match.group(2)}", False))
     return calls
 
 
 def grants_used_by_the_agent() -> dict[tuple[str, str], list[str]]:
-    calls = client_calls(BACKEND.read_text(encoding="utf-8"))
+    calls = set().union(*(client_calls(path.read_text(encoding="utf-8")) for path in SOURCES))
     unknown = {(api, method) for api, method, _ in calls} - set(CLIENT_CALLS)
     assert not unknown, f"map {sorted(unknown)} to their RBAC verb here and grant it in deploy/base/rbac.yaml"
     out: dict[tuple[str, str], list[str]] = {}
@@ -94,11 +112,12 @@ def grants_used_by_the_agent() -> dict[tuple[str, str], list[str]]:
 
 
 def test_the_agent_calls_what_the_manifests_grant():
-    """The derivation itself: the calls in backend.py today."""
+    """The derivation itself: the calls in backend.py and budget_leases.py today."""
     assert grants_used_by_the_agent() == {
         ("", "nodes"): ["get", "list", "watch", "patch"],
         ("", "nodes/status"): ["patch"],
         ("events.k8s.io", "events"): ["create"],
+        ("coordination.k8s.io", "leases"): ["get", "list", "create", "update"],
     }
 
 
@@ -108,6 +127,11 @@ def test_the_agent_calls_what_the_manifests_grant():
      {("core", "list_node", True)}),
     ("self.core.list_node(watch=False)", {("core", "list_node", False)}),
     ("self._call(self.events.create_namespaced_event, ns, body)", {("events", "create_namespaced_event", False)}),
+    ("self._backend._call(self.leases.replace_namespaced_lease, name, ns, body)",
+     {("leases", "replace_namespaced_lease", False)}),
+    ('api.param_serialize(\n  method="GET", resource_path="/api/v1/nodes",\n  query_params=q)',
+     {("raw", "GET /api/v1/nodes", False)}),
+    ("LeaseStore(self.core.api_client)", set()),
 ])
 def test_a_watch_is_told_from_a_list(source, expected):
     assert client_calls(source) == expected
@@ -118,9 +142,13 @@ def test_roles_grant_exactly_the_calls_the_agent_makes(rendered, overlay):
     objects = rendered[overlay]
     cluster = grants(find(objects, "ClusterRole", "healthagent"))
     events = grants(find(objects, "Role", "healthagent-events"))
+    budget = grants(find(objects, "Role", "healthagent-budget"))
     assert find(objects, "Role", "healthagent-events")["metadata"]["namespace"] == EVENTS_NAMESPACE
-    assert {**cluster, **events} == grants_used_by_the_agent()
-    assert set(events) == {("events.k8s.io", "events")}
+    account = find(objects, "ServiceAccount", "healthagent")["metadata"]["namespace"]
+    assert find(objects, "Role", "healthagent-budget")["metadata"]["namespace"] == account
+    assert {**cluster, **events, **budget} == grants_used_by_the_agent()
+    assert set(events) == {ROLES["healthagent-events"]} and set(budget) == {ROLES["healthagent-budget"]}
+    assert ROLES["healthagent-budget"] not in cluster  # never every namespace's Leases
 
 
 def test_dry_run_is_read_only(rendered):
@@ -132,7 +160,7 @@ def test_dry_run_is_read_only(rendered):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_no_wildcards_and_no_other_roles(rendered, overlay):
     roles = [o for o in rendered[overlay] if o["kind"] in ("Role", "ClusterRole")]
-    assert {r["metadata"]["name"] for r in roles} <= {"healthagent", "healthagent-events"}
+    assert {r["metadata"]["name"] for r in roles} <= {"healthagent", *ROLES}
     for role in roles:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]

@@ -13,12 +13,14 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from healthagent import __version__
 from tests.support.deploy import (
     COMPONENTS,
     DEPLOY,
     OVERLAYS,
+    REPO,
     find,
     kinds,
     overlay_with_components,
@@ -39,16 +41,21 @@ BASE_OBJECTS = [
     ("DaemonSet", "healthagent"),
     ("Namespace", "healthagent"),
     ("PrometheusRule", "healthagent"),
+    ("Role", "healthagent-budget"),
     ("Role", "healthagent-events"),
+    ("RoleBinding", "healthagent-budget"),
     ("RoleBinding", "healthagent-events"),
     ("Service", "healthagent"),
     ("ServiceAccount", "healthagent"),
     ("ServiceMonitor", "healthagent"),
+    ("ValidatingAdmissionPolicy", "healthagent-own-budget-slot"),
     ("ValidatingAdmissionPolicy", "healthagent-own-node-events"),
     ("ValidatingAdmissionPolicy", "healthagent-own-node-only"),
+    ("ValidatingAdmissionPolicyBinding", "healthagent-own-budget-slot"),
     ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-events"),
     ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-only"),
 ]
+EVENT_ROLE = "healthagent-events"  # the one Role (and binding) in "default", where node Events live
 
 
 def schema_errors(objects: list[dict[str, Any]], version: str) -> list[str]:
@@ -102,7 +109,7 @@ def test_every_namespaced_object_is_in_the_healthagent_namespace(rendered):
     for overlay, objects in rendered.items():
         for obj in objects:
             expected = None if obj["kind"] in cluster_scoped else "healthagent"
-            if obj["kind"] in ("Role", "RoleBinding"):
+            if obj["kind"] in ("Role", "RoleBinding") and obj["metadata"]["name"] == EVENT_ROLE:
                 expected = EVENTS_NAMESPACE
             assert obj["metadata"].get("namespace") == expected, (overlay, obj["kind"])
 
@@ -173,3 +180,42 @@ def test_prometheus_rule_has_the_operator_shape(rendered):
         for item in group["rules"]:
             assert ("alert" in item) != ("record" in item)
             assert isinstance(item["expr"], str)
+
+
+def container_ports(objects) -> dict[str, dict[str, Any]]:
+    container = find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    return {port["name"]: port for port in container["ports"]}
+
+
+@pytest.mark.parametrize("monitor_kind", ["ServiceMonitor", "PodMonitor"])
+def test_prometheus_scrapes_the_pods_own_port_never_the_nodes(kubectl, tmp_path, rendered, monitor_kind):
+    """What Prometheus reads names every tenant's jobs: it is on the pod's IP only, not a hostPort
+    every pod on the node can reach, and never on the intake's port."""
+    objects = rendered["generic"] if monitor_kind == "ServiceMonitor" else render(
+        overlay_with_components(tmp_path, "generic", ["podmonitor"]), kubectl)
+    monitor = find(objects, monitor_kind)
+    (endpoint,) = monitor["spec"]["endpoints" if monitor_kind == "ServiceMonitor" else "podMetricsEndpoints"]
+    scraped = container_ports(objects)[endpoint["port"]]
+    assert "hostPort" not in scraped and scraped["containerPort"] == 9410
+    assert [p for p in container_ports(objects).values() if "hostPort" in p] == [
+        {"name": "training", "containerPort": 9412, "hostPort": 9412, "protocol": "TCP"}]
+
+
+def test_network_policy_component_opens_the_intake_and_keeps_metrics_for_prometheus(kubectl, tmp_path):
+    objects = render(overlay_with_components(tmp_path, "generic", ["network-policy"]), kubectl)
+    policy = find(objects, "NetworkPolicy")
+    pod_labels = find(objects, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert policy["metadata"]["namespace"] == "healthagent"
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    by_port = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
+    assert set(by_port) == set(container_ports(objects))  # every port the container names, no other
+    assert "from" not in by_port["training"]  # any source: job tokens decide who may write
+    (source,) = by_port["metrics"]["from"]  # one source: the Prometheus pods
+    assert source["podSelector"]["matchLabels"] and source["namespaceSelector"]["matchLabels"]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_example_training_pod_is_valid_kubernetes(version):
+    pod = yaml.safe_load((REPO / "examples" / "training-pod.yaml").read_text(encoding="utf-8"))
+    assert schema_errors([pod], version) == []

@@ -5,7 +5,6 @@ waits on a wall clock.
 """
 
 import logging
-import random
 import shutil
 from dataclasses import replace
 
@@ -52,30 +51,6 @@ def node_writes(fake, node=NODE):
     return [r for r in fake.writes(f"/api/v1/nodes/{node}")]
 
 
-def taint_peer(fake, name, value="replace_node", added=None):
-    """Another agent's taint on a peer node (``added`` = its timeAdded, None = set by hand)."""
-    taint = {"key": TAINT_KEY, "value": value, "effect": "NoSchedule"}
-    if added is not None:
-        taint["timeAdded"] = rfc3339(added)
-    fake.update_node(name, lambda n: n["spec"].update(taints=[taint]))
-
-
-def after_budget_counts(effects, *actions):
-    """Run ``actions[i]`` right after the agent's i-th count of the GPU nodes: what a peer (or the
-    API server) does between this agent's count and its next step."""
-    real_list = effects.backend.list_nodes
-    calls = []
-
-    def counting(selector, **versions):
-        nodes = real_list(selector, **versions)
-        calls.append(selector)
-        if len(calls) <= len(actions):
-            actions[len(calls) - 1]()
-        return nodes
-
-    effects.backend.list_nodes = counting
-
-
 def test_xid95_noschedule_then_noexecute_after_the_grace_with_labels_conditions_and_one_event(tmp_path, cluster):
     effects = started(tmp_path, cluster)
     status = effects.reconcile(XID95, T0, "boot-1")
@@ -100,11 +75,8 @@ def test_xid95_noschedule_then_noexecute_after_the_grace_with_labels_conditions_
     cluster.reset_log()
     status = effects.reconcile(XID95, T0 + 10, "boot-1")
     assert status.taint_effect == "NoSchedule" and cluster.requests() == []  # nothing due: no request at all
-    recount = effects.budget_recount_at  # the budget's second count after tainting, jittered
-    assert T0 + 15 <= recount <= T0 + 45
-    effects.reconcile(XID95, recount, "boot-1")
-    assert [(r.method, r.path) for r in cluster.requests()] == [
-        ("GET", f"/api/v1/nodes/{NODE}"), ("GET", "/api/v1/nodes")]
+    effects.reconcile(XID95, T0 + 61, "boot-1")  # the resync reads the node; the budget asks nothing
+    assert [(r.method, r.path) for r in cluster.requests()] == [("GET", f"/api/v1/nodes/{NODE}")]
     status = effects.reconcile(XID95, T0 + 119, "boot-1")
     assert status.taint_effect == "NoSchedule" and cluster.writes() == []
     status = effects.reconcile(XID95, T0 + 120, "boot-1")
@@ -135,15 +107,12 @@ def test_a_second_start_on_the_same_state_and_node_writes_nothing(tmp_path, clus
 
 def test_steady_state_rereads_only_on_the_resync_interval(tmp_path, cluster):
     effects = started(tmp_path, cluster)
-    effects.reconcile(XID95, T0, "boot-1")
-    recount = effects.budget_recount_at
-    effects.reconcile(XID95, recount, "boot-1")  # the budget's second count after tainting reads the node
-    assert effects.budget_recount_at is None
+    effects.reconcile(XID95, T0, "boot-1")  # reads the node (no watch here)
     cluster.reset_log()
-    effects.reconcile(XID95, recount + 30, "boot-1")
-    effects.reconcile(XID95, recount + 59, "boot-1")
+    effects.reconcile(XID95, T0 + 30, "boot-1")
+    effects.reconcile(XID95, T0 + 59, "boot-1")
     assert cluster.requests() == []
-    effects.reconcile(XID95, recount + 61, "boot-1")
+    effects.reconcile(XID95, T0 + 61, "boot-1")
     assert [(r.method, r.path) for r in cluster.requests()] == [("GET", f"/api/v1/nodes/{NODE}")]
 
 
@@ -182,113 +151,6 @@ def test_replace_taint_is_sticky_even_when_the_state_is_lost(tmp_path, cluster):
     assert (gpu["status"], gpu["reason"]) == ("False", "ReplacePending") and "kubectl annotate" in gpu["message"]
     # the grace is counted from the taint's timeAdded on the node, not restarted
     assert fresh.reconcile(HEALTHY, T0 + 121, "boot-2").taint_effect == "NoExecute"
-
-
-@pytest.mark.parametrize("fraction,max_nodes,already,allowed", [
-    (0.10, None, 1, True),
-    (0.10, None, 2, False),   # the 3rd node of 20 at 10% is blocked
-    (0.10, 1, 1, False),
-    (0.50, None, 9, True),
-    (0.50, None, 10, False),
-])
-def test_budget_on_twenty_nodes(tmp_path, cluster, fraction, max_nodes, already, allowed):
-    for i in range(1, already + 1):
-        taint_peer(cluster, f"gpu-node-{i}")
-    effects = started(tmp_path, cluster, budget_max_fraction=fraction, budget_max_nodes=max_nodes)
-    status = effects.reconcile(XID95, T0, "boot-1")
-    node = cluster.node(NODE)
-    assert bool(our_taints(node)) is allowed
-    assert status.budget_blocked is (not allowed) and status.budget_blocked_total == (0 if allowed else 1)
-    assert node["metadata"]["labels"][HEALTH_LABEL] == "replace-required"  # the label still says it
-    assert condition(node, "GpuHealthy")["status"] == "False"
-    reasons = sorted(e["reason"] for e in cluster.events())
-    assert reasons == (["GPU_XID"] if allowed else ["GPU_XID", "TaintBlockedByBudget"])
-
-
-def test_budget_block_is_one_episode_rechecked_and_released(tmp_path, cluster):
-    for i in (1, 2):
-        taint_peer(cluster, f"gpu-node-{i}")
-    effects = started(tmp_path, cluster)
-    effects.reconcile(XID95, T0, "boot-1")
-
-    def lists():
-        return [r for r in cluster.requests("GET", "/api/v1/nodes") if r.path == "/api/v1/nodes"]
-
-    assert len(lists()) == 1
-    recheck = effects.budget_recheck_at
-    assert T0 + 15 <= recheck <= T0 + 45  # 30 s, jittered
-    status = effects.reconcile(XID95, recheck - 1, "boot-1")
-    assert status.budget_blocked and status.budget_blocked_total == 1 and len(lists()) == 1
-    status = effects.reconcile(XID95, recheck, "boot-1")  # the recheck interval passed
-    assert len(lists()) == 2 and status.budget_blocked_total == 1
-    assert recheck + 15 <= effects.budget_recheck_at <= recheck + 45
-    cluster.update_node("gpu-node-2", lambda n: n["spec"].update(taints=[]))  # a peer was repaired
-    status = effects.reconcile(XID95, effects.budget_recheck_at, "boot-1")
-    assert not status.budget_blocked and our_taints(cluster.node(NODE)) and effects.budget_recheck_at is None
-    assert sorted(e["reason"] for e in cluster.events()) == ["GPU_XID", "TaintBlockedByBudget"]
-
-
-def test_budget_never_blocks_clearing_or_the_noexecute_step(tmp_path, cluster):
-    effects = started(tmp_path, cluster)
-    effects.reconcile(XID95, T0, "boot-1")
-    for i in (1, 2, 3):  # now the cluster is over budget
-        taint_peer(cluster, f"gpu-node-{i}", value="reboot_node")
-    assert effects.reconcile(XID95, T0 + 120, "boot-1").taint_effect == "NoExecute"
-    other = started(tmp_path / "peer", cluster, node="gpu-node-1")
-    other.reconcile(verdict(finding("GPU_ROW_REMAP_PENDING", Action.REBOOT_NODE, xids=())), T0, "boot-1")
-    status = other.reconcile(HEALTHY, T0 + 5, "boot-1")
-    assert our_taints(cluster.node("gpu-node-1")) == [] and not status.budget_blocked
-
-
-def test_two_agents_tainting_at_once_the_newest_rolls_back(tmp_path, cluster):
-    taint_peer(cluster, "gpu-node-5", added=T0 - 600)
-    effects = started(tmp_path, cluster)
-    # between this agent's count and its write, a peer takes the last slot
-    after_budget_counts(effects, lambda: taint_peer(cluster, "gpu-node-6", added=T0 - 1))
-    status = effects.reconcile(XID95, T0, "boot-1")
-    assert our_taints(cluster.node(NODE)) == []  # the newest of three with a limit of two
-    assert our_taints(cluster.node("gpu-node-6")) and our_taints(cluster.node("gpu-node-5"))
-    assert status.budget_blocked and status.budget_blocked_total == 1
-    assert cluster.node(NODE)["metadata"]["labels"][HEALTH_LABEL] == "replace-required"
-    assert sorted(e["reason"] for e in cluster.events()) == ["GPU_XID", "TaintBlockedByBudget"]
-    assert [e for e in cluster.events() if e["reason"] == "Cleared"] == []
-
-
-def test_a_rollback_cut_off_by_an_api_error_completes_on_the_next_reconcile(tmp_path, cluster):
-    taint_peer(cluster, "gpu-node-5", added=T0 - 600)
-    effects = started(tmp_path, cluster)
-    after_budget_counts(effects, lambda: taint_peer(cluster, "gpu-node-6", added=T0 - 1),
-                        lambda: cluster.fail_next(1))  # the rollback PATCH gets a 500
-    status = effects.reconcile(XID95, T0, "boot-1")
-    assert our_taints(cluster.node(NODE)) and status.pending_writes >= 1
-    status = effects.reconcile(XID95, T0 + 5, "boot-1")
-    assert our_taints(cluster.node(NODE)) == [] and status.budget_blocked and status.pending_writes == 0
-    assert effects.budget_recheck_at > T0 + 10
-    status = effects.reconcile(XID95, T0 + 10, "boot-1")
-    assert our_taints(cluster.node(NODE)) == []  # held back: the recheck is not due yet
-
-
-def test_a_peer_decision_that_landed_late_is_caught_by_the_second_count(tmp_path, cluster):
-    taint_peer(cluster, "gpu-node-5", added=T0 - 600)
-    effects = started(tmp_path, cluster)
-    effects.reconcile(XID95, T0, "boot-1")
-    assert our_taints(cluster.node(NODE))  # two of a limit of two
-    # a peer decided a second earlier, but its write landed after this agent's first re-count
-    taint_peer(cluster, "gpu-node-6", added=T0 - 1)
-    # a taint added later is not a race this node lost
-    taint_peer(cluster, "gpu-node-7", added=T0 + 20)
-    status = effects.reconcile(XID95, effects.budget_recount_at, "boot-1")
-    assert our_taints(cluster.node(NODE)) == [] and status.budget_blocked
-    assert our_taints(cluster.node("gpu-node-6"))
-
-
-def test_the_second_count_leaves_a_standing_taint_when_the_newcomers_are_newer(tmp_path, cluster):
-    effects = started(tmp_path, cluster)
-    effects.reconcile(XID95, T0, "boot-1")
-    for i in (1, 2):
-        taint_peer(cluster, f"gpu-node-{i}", value="reboot_node", added=T0 + 10)
-    status = effects.reconcile(XID95, effects.budget_recount_at, "boot-1")
-    assert our_taints(cluster.node(NODE)) and not status.budget_blocked
 
 
 @pytest.mark.parametrize("storm", [3, 20])
@@ -610,60 +472,3 @@ def test_an_escalation_while_the_api_is_down_is_delivered_later_once(tmp_path, c
     again = started(tmp_path, cluster)  # and a restart in between: the outbox is in the state file
     status = again.reconcile(verdict(XID79_94), T0 + 10, "boot-1")
     assert status.pending_writes == 0 and sorted(by_action(cluster.events())) == ["Detected", "Escalated"]
-
-
-# -- what the budget's counts cost the API server ---------------------------------------------------
-
-def budget_lists(fake):
-    return [r.query for r in fake.requests("GET", "/api/v1/nodes")
-            if r.path == "/api/v1/nodes" and "labelSelector" in r.query]
-
-
-def test_budget_counts_are_served_from_the_watch_cache(tmp_path, cluster):
-    effects = started(tmp_path, cluster)
-    before_taint = cluster.resource_version
-    effects.reconcile(XID95, T0, "boot-1")
-    effects.reconcile(XID95, effects.budget_recount_at, "boot-1")
-    first, *recounts = budget_lists(cluster)
-    assert first == {"labelSelector": "nvidia.com/gpu.present=true", "resourceVersion": "0"}
-    assert len(recounts) == 2  # right after tainting, and the late one
-    for query in recounts:  # not older than this agent's own write: it must see its own taint
-        assert query["labelSelector"] == "nvidia.com/gpu.present=true"
-        assert query["resourceVersionMatch"] == "NotOlderThan"
-        assert int(query["resourceVersion"]) > before_taint
-
-
-def test_the_recount_after_tainting_sees_its_own_taint_through_a_lagging_cache(tmp_path, cluster):
-    taint_peer(cluster, "gpu-node-5", added=T0 - 600)
-    cluster.hold_watch_cache()  # the API server's cache falls behind: it shows neither write below
-    taint_peer(cluster, "gpu-node-6", added=T0 - 1)
-    effects = started(tmp_path, cluster)
-    status = effects.reconcile(XID95, T0, "boot-1")  # the cached count allows; the re-count must not
-    assert our_taints(cluster.node(NODE)) == [] and status.budget_blocked
-    assert our_taints(cluster.node("gpu-node-6")) and our_taints(cluster.node("gpu-node-5"))
-
-
-def test_agents_blocked_together_count_again_at_different_times(tmp_path, cluster):
-    for i in (1, 2):
-        taint_peer(cluster, f"gpu-node-{i}")
-    rechecks = []
-    for i in range(3, 13):  # a mass failure: ten agents blocked in the same moment
-        effects = start_effects(settings_for(tmp_path / str(i), f"gpu-node-{i}"), cluster,
-                                rng=random.Random(i))
-        effects.startup(T0 - 1, "boot-1")
-        assert effects.reconcile(XID95, T0, "boot-1").budget_blocked
-        rechecks.append(effects.budget_recheck_at)
-    assert all(T0 + 15 <= at <= T0 + 45 for at in rechecks)
-    assert len(set(rechecks)) == len(rechecks)  # spread, not in step
-
-
-def test_a_blocked_node_rechecks_less_often_the_more_nodes_wait_with_it(tmp_path, cluster):
-    cluster.seed_nodes(100, prefix="big-")  # 120 GPU nodes: a limit of 12
-    for i in range(12):
-        taint_peer(cluster, f"big-{i}")
-    for i in range(12, 100):  # 88 more agents hold a node action the budget holds back
-        cluster.update_node(f"big-{i}", lambda n: n["metadata"]["labels"].update({HEALTH_LABEL: "replace-required"}))
-    effects = started(tmp_path, cluster)
-    assert effects.reconcile(XID95, T0, "boot-1").budget_blocked
-    # 89 waiting nodes (this one too) at one count a second together: each about every 89 s
-    assert T0 + 89 * 0.5 <= effects.budget_recheck_at <= T0 + 89 * 1.5

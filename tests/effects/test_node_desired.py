@@ -7,22 +7,28 @@ from healthagent.effects.node_desired import (
     HYPERPOD_FAULT_REASONS_LABEL,
     HYPERPOD_FAULT_TYPES_LABEL,
     HYPERPOD_HEALTH_LABEL,
+    TAINT_BOOT_ANNOTATION,
     ConditionSpec,
     DesiredNode,
+    Pending,
     TaintPlan,
     TaintSpec,
     condition_of,
     health_value,
     node_patch,
+    boot_annotation,
     not_observed_conditions,
     observed_by,
+    owned_view,
     parse_rfc3339,
     plan_conditions,
     plan_labels,
     plan_taint,
+    reboot_outstanding,
     rfc3339,
     status_patch,
 )
+from healthagent.effects.conditions import vocabulary
 from healthagent.model import Action, SourceHealth
 from tests.effects.helpers import T0, TAINT_KEY, finding
 
@@ -55,23 +61,29 @@ def ours(value, effect, added=T0):
 ])
 def test_taint_decision_table(action, taints, since, now, grace, want, adds):
     plan = plan_taint(action=action, node=node_with(taints), taint_key=TAINT_KEY, grace_seconds=grace,
-                      since=since, now=now, budget_allows=lambda: True)
+                      since=since, now=now, held=False)
     assert (plan.taint, plan.adds_taint, plan.budget_blocked) == (want, adds, False)
 
 
-def test_only_adding_asks_the_budget():
-    asked = []
+@pytest.mark.parametrize("taints,grace,now,want,blocked,ready", [
+    ([], 120, T0, "NoSchedule", True, False),  # a first taint without a slot: NoSchedule all the same
+    ([], 0, T0, "NoSchedule", True, False),  # even with no grace at all
+    ([ours("replace_node", "NoSchedule")], 120, T0 + 500, "NoSchedule", True, False),  # grace over: waits
+    ([ours("reboot_node", "NoExecute")], 120, T0 + 500, "NoSchedule", True, False),  # a new value: waits too
+    ([ours("replace_node", "NoExecute")], 120, T0 + 500, "NoExecute", False, True),  # already out: stays
+])
+def test_without_a_slot_the_node_is_held_at_noschedule(taints, grace, now, want, blocked, ready):
+    plan = plan_taint(action=Action.REPLACE_NODE, node=node_with(taints), taint_key=TAINT_KEY, grace_seconds=grace,
+                      since=T0, now=now, held=True)
+    assert plan.taint == TaintSpec("replace_node", want)
+    assert (plan.budget_blocked, plan.disruptive_ready, plan.adds_taint) == (blocked, ready, not taints)
 
-    def deny():
-        asked.append(1)
-        return False
 
-    blocked = plan_taint(action=Action.REPLACE_NODE, node=node_with(), taint_key=TAINT_KEY, grace_seconds=120,
-                         since=None, now=T0, budget_allows=deny)
-    assert (blocked.taint, blocked.budget_blocked, len(asked)) == (None, True, 1)
-    moving = plan_taint(action=Action.REPLACE_NODE, node=node_with([ours("replace_node", "NoSchedule")]),
-                        taint_key=TAINT_KEY, grace_seconds=120, since=T0, now=T0 + 200, budget_allows=deny)
-    assert moving.taint == TaintSpec("replace_node", "NoExecute") and len(asked) == 1
+def test_a_rollback_takes_a_noexecute_just_written_back_to_noschedule():
+    plan = plan_taint(action=Action.REPLACE_NODE, node=node_with([ours("replace_node", "NoExecute")]),
+                      taint_key=TAINT_KEY, grace_seconds=120, since=T0, now=T0 + 500, held=True, rollback=True)
+    assert plan.taint == TaintSpec("replace_node", "NoSchedule") and plan.budget_blocked
+    assert not plan.disruptive_ready
 
 
 @pytest.mark.parametrize("action,value", [
@@ -89,14 +101,14 @@ def test_condition_of_code(code, ctype):
 
 def test_conditions_carry_code_and_evidence_and_all_checks_passed():
     efa = finding("EFA_RX_DROPS", Action.MONITOR, efa="rdmap0s29", xids=())
-    specs = plan_conditions([finding("GPU_XID"), efa], sticky_without_finding=False)
+    specs = plan_conditions([finding("GPU_XID"), efa])
     by_type = {s.type: s for s in specs}
     assert by_type["GpuHealthy"].status == "False" and by_type["GpuHealthy"].reason == "GPU_XID"
     assert "NVRM: Xid (PCI:0000:53:00): 95" in by_type["GpuHealthy"].message
     assert by_type["EfaHealthy"].reason == "EFA_RX_DROPS"
-    healthy = {s.type: s for s in plan_conditions([], sticky_without_finding=False)}
+    healthy = {s.type: s for s in plan_conditions([])}
     assert {(s.status, s.reason) for s in healthy.values()} == {("True", "AllChecksPassed")}
-    sticky = {s.type: s for s in plan_conditions([], sticky_without_finding=True)}
+    sticky = {s.type: s for s in plan_conditions([], Pending("", Action.REPLACE_NODE))}
     assert (sticky["GpuHealthy"].status, sticky["GpuHealthy"].reason) == ("False", "ReplacePending")
     assert sticky["EfaHealthy"].status == "True"
 
@@ -206,9 +218,110 @@ def test_not_observed_conditions_from_the_sources_detail_and_kept_while_unknown(
 def test_plan_conditions_unknown_without_findings_false_with_them():
     not_observed = {"GpuHealthy": ("GpuNotObserved", "m"), "EfaHealthy": ("EfaNotObserved", "e")}
     specs = plan_conditions([finding("EFA_RX_DROPS", Action.MONITOR, pci="", efa="rdmap79s0", xids=())],
-                            False, not_observed=not_observed)
+                            not_observed=not_observed)
     assert [(c.type, c.status, c.reason) for c in specs] == [
         ("GpuHealthy", "Unknown", "GpuNotObserved"), ("EfaHealthy", "False", "EFA_RX_DROPS")]
-    sticky = plan_conditions([], True, "GPU_XID", not_observed=not_observed)
+    sticky = plan_conditions([], Pending("GPU_XID", Action.REPLACE_NODE), not_observed=not_observed)
     assert [(c.type, c.status, c.reason) for c in sticky] == [
         ("GpuHealthy", "False", "ReplacePending"), ("EfaHealthy", "Unknown", "EfaNotObserved")]
+
+
+# -- reboot_node leaves the job too; the eks vocabulary; the boot a reboot taint waits out ----------
+
+
+@pytest.mark.parametrize("reboot_noexecute,now,want", [
+    (True, T0 + 119, "NoSchedule"), (True, T0 + 120, "NoExecute"),
+    (False, T0 + 120, "NoSchedule"), (False, T0 + 10_000, "NoSchedule")])
+def test_reboot_node_gets_noexecute_after_the_grace_unless_kept_to_noschedule(reboot_noexecute, now, want):
+    plan = plan_taint(action=Action.REBOOT_NODE, node=node_with([ours("reboot_node", "NoSchedule")]),
+                      taint_key=TAINT_KEY, grace_seconds=120, since=T0, now=now, held=False,
+                      reboot_noexecute=reboot_noexecute)
+    assert plan.taint == TaintSpec("reboot_node", want)
+    assert plan.disruptive_ready is (now - T0 >= 120)  # HyperPod's label and eks' False wait the same
+
+
+def _eks(findings, taint=None, pending=None, not_observed=None, leave=()):
+    return {c.type: (c.status, c.reason) for c in plan_conditions(
+        findings, pending, not_observed=not_observed, vocab=vocabulary("eks"), taint=taint, leave=leave)}
+
+
+READY = TaintPlan(TaintSpec("reboot_node", "NoExecute"), adds_taint=False, disruptive_ready=True)
+GRACE = TaintPlan(TaintSpec("reboot_node", "NoSchedule"), adds_taint=True, disruptive_ready=False)
+HELD = TaintPlan(TaintSpec("reboot_node", "NoSchedule"), adds_taint=True, budget_blocked=True)
+
+
+def test_eks_conditions_are_false_only_for_a_node_action_that_is_on_and_past_its_grace():
+    xid79 = finding("GPU_XID", Action.REBOOT_NODE, xids=(79,))
+    assert _eks([xid79], READY) == {"AcceleratedHardwareReady": ("False", "NvidiaXID79Error"),
+                                    "NetworkingReady": ("True", "AllChecksPassed")}
+    assert _eks([xid79], GRACE)["AcceleratedHardwareReady"] == ("True", "RepairAfterGrace")
+    assert _eks([xid79], HELD)["AcceleratedHardwareReady"] == ("True", "RepairHeldByBudget")
+    monitor = finding("GPU_THERMAL_THROTTLE", Action.MONITOR, xids=())
+    assert _eks([monitor], TaintPlan(None, adds_taint=False))["AcceleratedHardwareReady"] == (
+        "True", "FindingsWithoutNodeAction")
+    efa = finding("EFA_DEVICE_MISSING", Action.REBOOT_NODE, efa="rdmap79s0", xids=())
+    assert _eks([efa], READY) == {"AcceleratedHardwareReady": ("True", "AllChecksPassed"),
+                                  "NetworkingReady": ("False", "EFADeviceMissing")}
+    # the default vocabulary is not gated: any finding is False at once, with its code
+    default = {c.type: (c.status, c.reason) for c in plan_conditions([xid79], taint=HELD)}
+    assert default["GpuHealthy"] == ("False", "GPU_XID")
+
+
+def test_eks_message_keeps_the_evidence_and_pending_taints_say_why():
+    specs = plan_conditions([finding("GPU_XID", Action.REPLACE_NODE, xids=(94,))], vocab=vocabulary("eks"),
+                            taint=GRACE)
+    assert "NVRM: Xid (PCI:0000:53:00): 95" in specs[0].message and "NoExecute grace" in specs[0].message
+    assert _eks([], READY, Pending("GPU_XID", Action.REBOOT_NODE))["AcceleratedHardwareReady"] == (
+        "False", "RebootPending")
+    assert _eks([], READY, Pending("EFA_DEVICE_MISSING", Action.REPLACE_NODE))["NetworkingReady"] == (
+        "False", "ReplacePending")
+    unknown = {"AcceleratedHardwareReady": ("GpuNotObserved", "m")}
+    assert _eks([], None, None, unknown)["AcceleratedHardwareReady"] == ("Unknown", "GpuNotObserved")
+
+
+def test_a_condition_type_another_writer_owns_is_never_planned():
+    assert set(_eks([finding()], READY, leave=("AcceleratedHardwareReady",))) == {"NetworkingReady"}
+
+
+def booted(boot, annotation=None, taints=()):
+    node = node_with(taints)
+    node["status"]["nodeInfo"] = {"bootID": boot} if boot else {}
+    if annotation is not None:
+        node["metadata"]["annotations"] = {TAINT_BOOT_ANNOTATION: annotation}
+    return node
+
+
+@pytest.mark.parametrize("boot,annotation,outstanding", [
+    ("b1", "b1", True),      # the same boot: no reboot yet
+    ("b2", "b1", False),     # a new boot id: the node rebooted
+    ("", "b1", True),        # no boot id reported: a reboot cannot be proven
+    ("b1", None, False),     # no record of the boot: a taint of an older version, clears as it did
+])
+def test_reboot_outstanding(boot, annotation, outstanding):
+    assert reboot_outstanding(booted(boot, annotation)) is outstanding
+
+
+def test_boot_annotation_follows_the_faults_boot_and_goes_with_the_taint():
+    on = TaintPlan(TaintSpec("reboot_node", "NoSchedule"), adds_taint=False)
+    reboot = finding("GPU_XID", Action.REBOOT_NODE, xids=(79,))
+    assert boot_annotation(booted("b2", "b1"), on, [reboot]) == {TAINT_BOOT_ANNOTATION: "b2"}  # open again
+    assert boot_annotation(booted("b1", "b1"), on, []) == {}  # held without a finding: kept
+    assert boot_annotation(booted("b1"), on, [finding("GPU_XID", Action.MONITOR)]) == {}
+    assert boot_annotation(booted("", None), on, [reboot]) == {}  # no boot id to record
+    assert boot_annotation(booted("b2", "b1"), TaintPlan(None, adds_taint=False), []) == {
+        TAINT_BOOT_ANNOTATION: None}
+
+
+def test_owned_view_wakes_on_the_vocabularys_conditions_and_a_new_boot_only():
+    eks = vocabulary("eks")
+    node = booted("b1")
+    node["status"]["conditions"] = [{"type": "AcceleratedHardwareReady", "status": "True", "reason": "x"}]
+    view = owned_view(node, TAINT_KEY, False, eks)
+    changed = booted("b1")
+    changed["status"]["conditions"] = [{"type": "AcceleratedHardwareReady", "status": "False", "reason": "x"}]
+    assert owned_view(changed, TAINT_KEY, False, eks) != view
+    assert owned_view(changed, TAINT_KEY, False) == owned_view(node, TAINT_KEY, False)  # not GpuHealthy's
+    assert owned_view(booted("b2"), TAINT_KEY, False, eks) != owned_view(booted("b1"), TAINT_KEY, False, eks)
+    heartbeat = booted("b1")
+    heartbeat["status"]["conditions"] = [dict(node["status"]["conditions"][0], lastHeartbeatTime="later")]
+    assert owned_view(heartbeat, TAINT_KEY, False, eks) == view

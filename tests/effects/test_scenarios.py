@@ -14,6 +14,7 @@ from healthagent.effects.node_desired import (
     CLEAR_ANNOTATION,
     CLEAR_HANDLED_ANNOTATION,
     HEALTH_LABEL,
+    HYPERPOD_HEALTH_LABEL,
     rfc3339,
 )
 from healthagent.model import Action, Finding, Verdict
@@ -198,6 +199,42 @@ def test_operator_clear_by_removing_the_taint_by_hand(tmp_path, cluster):
     effects.reconcile(XID94, T0 + 200, "boot-1")
     assert ours(cluster.node(name)) == []  # not put back
     no_internal_errors(effects)
+
+
+def test_past_the_budget_a_node_is_held_at_noschedule_and_goes_out_once_a_slot_frees(tmp_path, cluster):
+    """Ten GPU nodes at 10%: one slot. The second faulty node gets NoSchedule at once (new pods stay
+    off), says it is held, and takes neither NoExecute nor HyperPod's replacement value until the
+    first node is cleared and gives its slot back."""
+    first_name, second_name = cluster.name(0), cluster.name(1)
+    first, _ = effects_for(tmp_path, cluster, hyperpod_labels=True)
+    second, _ = effects_for(tmp_path, cluster, node=second_name, hyperpod_labels=True)
+    assert not first.reconcile(XID94, T0, "boot-1").budget_blocked
+    status = second.reconcile(XID94, T0, "boot-1")
+    node = cluster.node(second_name)
+    assert status.budget_blocked and [(t["value"], t["effect"]) for t in ours(node)] == [
+        ("replace_node", "NoSchedule")]
+    assert foreign(node) == [NOT_READY] and node["metadata"]["labels"][HEALTH_LABEL] == "replace-required"
+    (held,) = [e for e in events_about(cluster, second_name) if e["reason"] == "TaintBlockedByBudget"]
+    assert "NoSchedule" in held["note"] and "slots_held=1 limit=1 gpu_nodes=10" in held["note"]
+    # the grace is over: the slot holder goes out, the held node stays where it is
+    first.reconcile(XID94, T0 + 120, "boot-1")
+    status = second.reconcile(XID94, T0 + 120, "boot-1")
+    out, waiting = cluster.node(first_name), cluster.node(second_name)
+    assert [t["effect"] for t in ours(out)] == ["NoExecute"]
+    assert out["metadata"]["labels"][HYPERPOD_HEALTH_LABEL] == "UnschedulablePendingReplacement"
+    assert [t["effect"] for t in ours(waiting)] == ["NoSchedule"] and status.budget_blocked
+    assert HYPERPOD_HEALTH_LABEL not in waiting["metadata"]["labels"]  # nothing that starts a replacement
+    # the first node is replaced and cleared: its slot goes back, the held node takes it at its next look
+    cluster.update_node(first_name, lambda n: n["metadata"].setdefault("annotations", {}).update(
+        {CLEAR_ANNOTATION: "replaced"}))
+    first.reconcile(XID94, T0 + 181, "boot-1")
+    assert ours(cluster.node(first_name)) == []
+    status = second.reconcile(XID94, max(second.budget_recheck_at, T0 + 181), "boot-1")
+    node = cluster.node(second_name)
+    assert not status.budget_blocked and [t["effect"] for t in ours(node)] == ["NoExecute"]
+    assert node["metadata"]["labels"][HYPERPOD_HEALTH_LABEL] == "UnschedulablePendingReplacement"
+    no_internal_errors(first)
+    no_internal_errors(second)
 
 
 def test_api_server_restarted_mid_fault_nothing_lost_nothing_written_twice(tmp_path, cluster):

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from healthagent.effects.budget_leases import DEFAULT_NAMESPACE
 from tests.support.kubefake import KubeFake
 
 NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
@@ -111,6 +112,7 @@ class RealCluster(Cluster):
         self._core = client.CoreV1Api(self._admin)
         self._events = client.EventsV1Api(self._admin)
         self._created: set[str] = set()
+        ensure_namespace(self._core, DEFAULT_NAMESPACE)  # where the agent keeps its budget's Leases
 
     def api_client(self):
         return self.plane.api_client()
@@ -169,10 +171,38 @@ class RealCluster(Cluster):
                 self._core.delete_node(name)
             except Exception:  # noqa: BLE001 - already gone, or the server is going away
                 pass
+        self._free_budget_slots()
+
+    def _free_budget_slots(self) -> None:
+        """Delete the budget slots its nodes still hold in the shared namespace: every test's
+        clock starts at the same instant, so to the next test's agent they would look a moment
+        old, which the budget never reclaims (``effects/budget.py``)."""
+        from kubernetes import client
+
+        leases = client.CoordinationV1Api(self._admin)
+        try:
+            held = leases.list_namespaced_lease(DEFAULT_NAMESPACE, label_selector="healthagent.io/budget=slot")
+            for lease in held.items:
+                if (lease.spec.holder_identity or "") in self._created:
+                    leases.delete_namespaced_lease(lease.metadata.name, DEFAULT_NAMESPACE)
+        except Exception:  # noqa: BLE001 - the server is going away; nothing to keep apart then
+            pass
 
     @staticmethod
     def _raw(fn: Callable, *args: Any) -> dict:
         return json.loads(fn(*args, _preload_content=False).data)
+
+
+def ensure_namespace(core: Any, name: str) -> None:
+    """Create namespace ``name`` unless it exists (with no controller-manager it is never
+    deleted, so a session shares it)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        core.create_namespace({"metadata": {"name": name}})
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
 
 
 class LabelChurn:

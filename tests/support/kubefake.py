@@ -35,6 +35,13 @@ REAL ``kubernetes`` Python client talking HTTP to this server (``ThreadingHTTPSe
 - ``POST``/``GET``/``PATCH``/``DELETE`` ``/apis/events.k8s.io/v1/namespaces/{ns}/events[/{name}]``
   with the events.k8s.io/v1 create validation (eventTime, reportingController, reportingInstance,
   action, reason, type Normal|Warning, note <= 1 kB) and ``409 AlreadyExists``;
+- ``coordination.k8s.io/v1`` Leases: ``POST``/``GET`` (one, or a list with ``labelSelector``)/
+  ``PUT``/``DELETE`` ``/apis/coordination.k8s.io/v1/namespaces/{ns}/leases[/{name}]``, with
+  ``409 AlreadyExists`` on create, ``409 Conflict`` for a PUT naming another ``resourceVersion``,
+  and the MicroTime format of ``acquireTime``/``renewTime`` checked (``422 Invalid``);
+- the node list as a server-side Table (``Accept: application/json;as=Table;v=v1;g=meta.k8s.io``):
+  one row per node with the cells kubectl shows (name, status, roles, age, version), the object
+  omitted with ``includeObject=None``, else its metadata;
 - validation the agent could trip: taint effects, duplicate taints, label keys and values,
   condition types (``422 Invalid``); ``404 NotFound`` Status for unknown objects and paths.
 
@@ -62,8 +69,9 @@ Use::
         assert fake.node("gpu-node-0")["spec"]["taints"] == [...]
 
 What it LEAVES OUT of Kubernetes: authentication, authorization (RBAC) and admission; every
-resource but nodes and events.k8s.io/v1 events (no core/v1 events, no leases, no discovery);
-protobuf, CBOR, YAML and table output; server-side apply and managedFields; pagination
+resource but nodes, events.k8s.io/v1 events and leases (no core/v1 events, no discovery); lease
+watches, PATCH and a held watch cache for leases (their lists are always live); protobuf, CBOR,
+YAML, and tables of anything but nodes; server-side apply and managedFields; pagination
 (``limit``/``continue`` are ignored); ``resourceVersionMatch=Exact`` (400) and the up-to-3 s
 wait before a "too large resource version" 504; ``dryRun``; ``generation``; finalizers and graceful deletion;
 ``$setElementOrder`` and ``$retainKeys`` (accepted, ignored); most field validation beyond the list
@@ -525,6 +533,7 @@ class KubeFake:
         self._rv = 100
         self._nodes: dict[str, dict] = {}
         self._events: dict[tuple[str, str], dict] = {}
+        self._leases: dict[tuple[str, str], dict] = {}
         self._history: list[tuple[int, str, str, dict, dict | None]] = []  # rv, kind, type, obj, old
         self._history_floor = 0  # a watch from a version older than this is a 410
         self._cache: tuple[int, dict[str, dict]] | None = None  # a held watch cache: (rv, nodes)
@@ -733,6 +742,27 @@ class KubeFake:
             gone["metadata"]["resourceVersion"] = self._bump()
             self._notify("nodes", "DELETED", gone, None)
 
+    def leases(self, namespace: str | None = None) -> list[dict]:
+        """The Leases (all, or one namespace's), sorted by namespace and name."""
+        with self._lock:
+            return [copy.deepcopy(lease) for (ns, _), lease in sorted(self._leases.items())
+                    if namespace is None or ns == namespace]
+
+    def put_lease(self, namespace: str, lease: dict) -> dict:
+        """Create or replace a Lease as another actor would (a peer agent, an operator)."""
+        with self._lock:
+            lease = copy.deepcopy(lease)
+            meta = lease.setdefault("metadata", {})
+            old = self._leases.get((namespace, meta["name"]))
+            meta.update({"namespace": namespace, "resourceVersion": self._bump(),
+                         "uid": (old or {}).get("metadata", {}).get("uid") or str(uuid.uuid4()),
+                         "creationTimestamp": (old or {}).get("metadata", {}).get("creationTimestamp")
+                         or now_rfc3339()})
+            lease.setdefault("apiVersion", "coordination.k8s.io/v1")
+            lease.setdefault("kind", "Lease")
+            self._leases[(namespace, meta["name"])] = lease
+            return copy.deepcopy(lease)
+
     def events(self, namespace: str | None = None) -> list[dict]:
         with self._lock:
             return [copy.deepcopy(e) for (ns, _), e in sorted(self._events.items())
@@ -790,7 +820,7 @@ class KubeFake:
     # -- request handling (called by the handler threads) ------------------------------------------
 
     def handle(self, method: str, path: str, query: dict[str, str], content_type: str,
-               body: Any) -> tuple[int, Any]:
+               body: Any, accept: str = "") -> tuple[int, Any]:
         """Return (status, JSON body) or (200, _Watcher) for a watch. Raises nothing."""
         try:
             with self._lock:
@@ -803,17 +833,22 @@ class KubeFake:
                     name = path.rstrip("/").split("/")[-1]
                     if name == "status":
                         name = path.rstrip("/").split("/")[-2]
-                    raise _conflict("nodes" if "/nodes/" in path else "events", name)
-            return self._route(method, path, query, content_type, body)
+                    kind = next((k for k in ("nodes", "leases") if f"/{k}/" in path), "events")
+                    raise _conflict(kind, name)
+            return self._route(method, path, query, content_type, body, accept)
         except ApiError as err:
             return err.code, err.status()
 
-    def _route(self, method, path, query, content_type, body):
+    def _route(self, method, path, query, content_type, body, accept=""):
         m = re.fullmatch(r"/api/v1/nodes", path)
         if m and method == "GET":
             if query.get("watch") in ("true", "1"):
                 return 200, self._open_watch("nodes", query, NODE_FIELDS)
-            return 200, self._list_nodes(query)
+            nodes = self._list_nodes(query)
+            return 200, node_table(nodes, query.get("includeObject", "")) if "as=Table" in accept else nodes
+        m = re.fullmatch(r"/apis/coordination\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/leases(?:/(?P<name>[^/]+))?", path)
+        if m:
+            return self._lease_request(method, m.group("ns"), m.group("name"), query, body)
         m = re.fullmatch(r"/api/v1/nodes/(?P<name>[^/]+)(?P<sub>/status)?", path)
         if m:
             return self._node_request(method, m.group("name"), bool(m.group("sub")), content_type, body)
@@ -994,6 +1029,76 @@ class KubeFake:
                 self._events[key] = new
             return 200, copy.deepcopy(self._events[key])
 
+    def _lease_request(self, method, ns, name, query, body):
+        with self._lock:
+            if name is None:
+                if method == "GET":
+                    if query.get("watch") in ("true", "1"):
+                        raise ApiError(405, "MethodNotAllowed", "lease watches are not served by the fake")
+                    labels = parse_label_selector(query.get("labelSelector", ""))
+                    items = [lease for lease in self.leases(ns)
+                             if labels(lease["metadata"].get("labels") or {})]
+                    return 200, {"kind": "LeaseList", "apiVersion": "coordination.k8s.io/v1",
+                                 "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+                if method != "POST":
+                    raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on the lease list")
+                return self._create_lease(ns, body)
+            current = self._leases.get((ns, name))
+            if current is None:
+                raise _not_found("leases", name, "coordination.k8s.io")
+            if method == "GET":
+                return 200, copy.deepcopy(current)
+            if method == "DELETE":
+                del self._leases[(ns, name)]
+                return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+            if method != "PUT":
+                raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on leases by the fake")
+            if not isinstance(body, dict) or (body.get("metadata") or {}).get("name") != name:
+                raise ApiError(400, "BadRequest", "the name of the object does not match the name on the URL")
+            self._check_rv(body, current, "leases.coordination.k8s.io", name)
+            causes = _validate_lease(body)
+            if causes:
+                raise _invalid("Lease", name, causes)
+            new = copy.deepcopy(body)
+            for fixed in ("uid", "creationTimestamp", "namespace"):
+                new["metadata"][fixed] = current["metadata"][fixed]
+            new["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            new.setdefault("apiVersion", "coordination.k8s.io/v1")
+            new.setdefault("kind", "Lease")
+            if new != current:
+                new["metadata"]["resourceVersion"] = self._bump()
+                self._leases[(ns, name)] = new
+            return 200, copy.deepcopy(self._leases[(ns, name)])
+
+    def _create_lease(self, ns, body):
+        if not isinstance(body, dict):
+            raise ApiError(400, "BadRequest", "lease body must be an object")
+        lease = copy.deepcopy(body)
+        meta = lease.setdefault("metadata", {})
+        name = meta.get("name")
+        if not name:
+            raise _invalid("Lease", "", ["metadata.name: Required value"])
+        if meta.get("resourceVersion"):
+            raise _invalid("Lease", name, ["metadata.resourceVersion: Invalid value: must be empty on create"])
+        return self._store_new(self._leases, ns, name, lease, _validate_lease(lease), "Lease",
+                               "coordination.k8s.io")
+
+    def _store_new(self, objects: dict, ns: str, name: str, obj: dict, causes: list[str], kind: str,
+                   group: str) -> tuple[int, dict]:
+        """Create ``obj`` as ``ns``/``name`` in ``objects``: 422 with ``causes``, 409 AlreadyExists."""
+        if causes:
+            raise _invalid(kind, name, causes)
+        resource = f"{kind.lower()}s"
+        if (ns, name) in objects:
+            raise ApiError(409, "AlreadyExists", f'{resource}.{group} "{name}" already exists',
+                           {"name": name, "group": group, "kind": resource})
+        obj["metadata"].update({"name": name, "namespace": ns, "uid": str(uuid.uuid4()),
+                                "creationTimestamp": now_rfc3339(), "resourceVersion": self._bump()})
+        obj.setdefault("apiVersion", f"{group}/v1")
+        obj.setdefault("kind", kind)
+        objects[(ns, name)] = obj
+        return 201, copy.deepcopy(obj)
+
     def _create_event(self, ns, body):
         if not isinstance(body, dict):
             raise ApiError(400, "BadRequest", "event body must be an object")
@@ -1007,18 +1112,41 @@ class KubeFake:
             name = meta["generateName"] + uuid.uuid4().hex[:5]
         if not name:
             raise _invalid("Event", "", ["metadata.name: Required value: name or generateName is required"])
-        causes = _validate_event(event)
-        if causes:
-            raise _invalid("Event", name, causes)
-        if (ns, name) in self._events:
-            raise ApiError(409, "AlreadyExists", f'events.events.k8s.io "{name}" already exists',
-                           {"name": name, "group": "events.k8s.io", "kind": "events"})
-        meta.update({"name": name, "namespace": ns, "uid": str(uuid.uuid4()),
-                     "creationTimestamp": now_rfc3339(), "resourceVersion": self._bump()})
-        event.setdefault("apiVersion", "events.k8s.io/v1")
-        event.setdefault("kind", "Event")
-        self._events[(ns, name)] = event
-        return 201, copy.deepcopy(event)
+        return self._store_new(self._events, ns, name, event, _validate_event(event), "Event", "events.k8s.io")
+
+
+def _validate_lease(lease: dict) -> list[str]:
+    """coordination.k8s.io/v1 Lease validation the agent could trip: MicroTimes, the duration."""
+    causes = []
+    spec = lease.get("spec") or {}
+    for field in ("acquireTime", "renewTime"):
+        if spec.get(field) is not None and not _MICRO_TIME_RE.match(str(spec[field])):
+            causes.append(f"spec.{field}: Invalid value: {spec[field]!r}: not RFC3339Micro")
+    duration = spec.get("leaseDurationSeconds")
+    if duration is not None and (not isinstance(duration, int) or duration <= 0):
+        causes.append("spec.leaseDurationSeconds: Invalid value: must be greater than 0")
+    if spec.get("holderIdentity") is not None and not isinstance(spec["holderIdentity"], str):
+        causes.append("spec.holderIdentity: Invalid value: must be a string")
+    return causes
+
+
+def node_table(node_list: dict, include_object: str) -> dict:
+    """A NodeList as the server-side Table kubectl asks for (the default columns only)."""
+    columns = [{"name": name, "type": "string", "format": "name" if name == "Name" else "",
+                "description": f"the node's {name.lower()}", "priority": 0}
+               for name in ("Name", "Status", "Roles", "Age", "Version")]
+    rows = []
+    for node in node_list["items"]:
+        ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        row: dict[str, Any] = {"cells": [node["metadata"]["name"],
+                                         "Ready" if ready.get("status") == "True" else "NotReady",
+                                         "<none>", "1d", ""]}
+        if include_object != "None":
+            row["object"] = {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                             "metadata": copy.deepcopy(node["metadata"])}
+        rows.append(row)
+    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": dict(node_list["metadata"]),
+            "columnDefinitions": columns, "rows": rows}
 
 
 def _watch_event(etype: str, obj: dict, old: dict | None, matches: Callable[[dict], bool]) -> dict | None:
@@ -1073,7 +1201,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.fake._delay > 0:
             self.fake._stopping.wait(self.fake._delay)
         if answer is None:
-            status, answer = self.fake.handle(method, split.path, query, content_type, body)
+            status, answer = self.fake.handle(method, split.path, query, content_type, body,
+                                              self.headers.get("Accept") or "")
         self.fake._record(RecordedRequest(method, split.path, query, content_type, body, status, time.time()))
         try:
             if isinstance(answer, _Watcher):
