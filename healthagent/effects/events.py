@@ -2,7 +2,8 @@
 
 Every Event has a key (``finding/<Finding.key>`` when a finding is first reported,
 ``finding/<Finding.key>/<action>`` when it escalates to a more severe action, ``cleared/<time>``,
-``budget/<finding key>``): one Event per (finding, action).
+``budget/<finding key>`` while the budget holds the node at NoSchedule, ``condition-left-alone/<type>``):
+one Event per (finding, action).
 The ledger keeps the keys already delivered (bounded, oldest forgotten first) and an outbox of
 Events decided but not yet delivered (the API server may be down), both in the state file, so a
 restart neither repeats nor loses one. The Event's object name is derived from the node and the
@@ -37,8 +38,8 @@ NORMAL = "Normal"
 class EventSpec:
     key: str
     type: str  # Normal | Warning
-    reason: str  # the finding code, or Cleared / TaintBlockedByBudget
-    action: str  # what the agent did: Detected, Escalated, Cleared, TaintHeldBack
+    reason: str  # the finding code, or Cleared / TaintBlockedByBudget / ConditionOwnedElsewhere
+    action: str  # what the agent did: Detected, Escalated, Cleared, TaintHeldBack, LeftAlone
     note: str
     at: float
 
@@ -89,6 +90,31 @@ def finding_events(findings: Iterable[Finding], record: "EffectsRecord", node_na
             continue
         record.note_reported(finding.key, finding.action.value)
     return specs
+
+
+def foreign_condition_event(ctype: str, why: str, now: float) -> EventSpec:
+    """The Event that says, once per condition type, that another writer owns a condition of the
+    agent's vocabulary and the agent leaves it alone (the EKS node monitoring agent, typically)."""
+    return EventSpec(key=f"condition-left-alone/{ctype}", type=WARNING, reason="ConditionOwnedElsewhere",
+                     action="LeftAlone",
+                     note=clip_note(f"The node's {ctype} condition has another writer ({why}). The agent does "
+                                    f"not write {ctype} on this node, so the two never overwrite each other; it "
+                                    "still taints, labels and reports Events. To have the agent write it, remove "
+                                    "the other writer (or set condition_vocabulary=healthagent)."), at=now)
+
+
+def budget_held_event(finding_key: str, action: Action, code: str, budget: str, now: float) -> EventSpec:
+    """The Event that says, once per held episode, that the node has its NoSchedule taint and waits
+    for a slot of the disruption budget before its disruptive step. ``budget``: the budget as the
+    agent saw it, with its settings."""
+    return EventSpec(
+        key=f"budget/{finding_key or f'{now:.3f}'}", type=WARNING, reason="TaintBlockedByBudget",
+        action="TaintHeldBack",
+        note=clip_note(f"The node needs {action.value} ({code or 'no finding'}). It has the agent's NoSchedule "
+                       "taint (no new pods; running pods stay) and waits for a slot of the disruption budget "
+                       f"before the disruptive step (NoExecute after the grace, HyperPod's pending value, a "
+                       f"False eks condition): {budget}. The agent keeps asking and takes the step once a "
+                       "slot frees up. Labels and conditions still report the fault."), at=now)
 
 
 def _finding_note(finding: Finding, lead: str) -> str:

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from healthagent.config import ENV_PREFIX, Settings, load_settings
+from healthagent.config import ENV_PREFIX, TRAINING_PORT, Settings, load_settings
+from healthagent.telemetry.training_client import DEFAULT_PORT as CLIENT_DEFAULT_PORT
 from tests.support.deploy import (
     OVERLAYS,
     agent_container,
@@ -111,10 +112,13 @@ def test_state_file_lives_in_the_state_mount(rendered):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_probes_and_port(rendered, overlay):
+def test_probes_and_ports(rendered, overlay):
+    """Probes and the scrape on the pod's own port (no hostPort); only the intake on the node's."""
     container = agent_container(rendered[overlay])
-    assert container["ports"] == [{"name": "metrics", "containerPort": 9410, "hostPort": 9410,
-                                   "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "metrics", "containerPort": 9410, "protocol": "TCP"},
+        {"name": "training", "containerPort": 9412, "hostPort": 9412, "protocol": "TCP"},
+    ]
     for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"),
                         ("readinessProbe", "/readyz")):
         assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
@@ -122,10 +126,24 @@ def test_probes_and_port(rendered, overlay):
     assert container["image"].startswith("healthagent:")
 
 
-def test_listen_port_matches_the_container_port(rendered):
-    env = env_of(agent_container(rendered["generic"]))
+def test_listen_ports_match_the_container_ports(rendered):
+    container = agent_container(rendered["generic"])
+    env = env_of(container)
+    ports = {p["name"]: p for p in container["ports"]}
     host, _, port = env["HEALTHAGENT_LISTEN"].rpartition(":")
-    assert (host, int(port)) == ("0.0.0.0", 9410)
+    assert (host, int(port)) == ("0.0.0.0", ports["metrics"]["containerPort"])
+    host, _, port = env["HEALTHAGENT_TRAINING_LISTEN"].rpartition(":")
+    assert (host, int(port)) == ("0.0.0.0", ports["training"]["containerPort"])
+    # The ranks' client finds the intake at the node's IP on its default port.
+    assert ports["training"]["hostPort"] == TRAINING_PORT == CLIENT_DEFAULT_PORT
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_intake_is_closed_unless_a_job_token_opens_it(rendered, overlay):
+    env = env_of(agent_container(rendered[overlay]))
+    assert env["HEALTHAGENT_TRAINING_INTAKE"] == "token"
+    assert env["HEALTHAGENT_TRAINING_TOKEN"] == {"secretKeyRef": {"name": "healthagent-training", "key": "token",
+                                                                  "optional": True}}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -146,6 +164,7 @@ EXPECTED_ENV = {
     "generic": {"HEALTHAGENT_KUBE": "in-cluster"},
     "hyperpod": {"HEALTHAGENT_KUBE": "in-cluster", "HEALTHAGENT_HYPERPOD_LABELS": "true"},
     "dry-run": {"HEALTHAGENT_KUBE": "dry-run"},
+    "eks-node-repair": {"HEALTHAGENT_KUBE": "in-cluster", "HEALTHAGENT_CONDITION_VOCABULARY": "eks"},
 }
 
 
@@ -170,6 +189,7 @@ def test_env_is_a_valid_agent_configuration(rendered, overlay, tmp_path):
     assert settings.kube == EXPECTED_ENV[overlay]["HEALTHAGENT_KUBE"]
     assert settings.node_name == "gpu-node-1"
     assert settings.hyperpod_labels is (overlay == "hyperpod")
+    assert settings.condition_vocabulary == ("eks" if overlay == "eks-node-repair" else "healthagent")
     unknown = [k for k in env if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower()
                not in Settings.__dataclass_fields__]
     assert unknown == []
@@ -196,11 +216,15 @@ def test_hyperpod_budget_counts_the_nodes_the_daemonset_runs_on(rendered):
 
 def test_overlays_differ_only_where_documented(rendered):
     """generic is the base; dry-run changes the kube mode and RBAC; hyperpod adds its label switch,
-    budget selector and node affinity term. Nothing else differs."""
-    def comparable(objects, drop_env=(), drop_rbac=False, drop_affinity=False):
+    budget selector and node affinity term; eks-node-repair switches the condition vocabulary and
+    the node policy's condition types. Nothing else differs."""
+    def comparable(objects, drop_env=(), drop_rbac=False, drop_affinity=False, drop_node_policy=False):
         out = []
         for obj in objects:
             obj = copy.deepcopy(obj)
+            if drop_node_policy and obj["kind"] == "ValidatingAdmissionPolicy" \
+                    and obj["metadata"]["name"] == "healthagent-own-node-only":
+                continue
             if obj["kind"] == "DaemonSet":
                 spec = obj["spec"]["template"]["spec"]
                 container = spec["containers"][0]
@@ -221,3 +245,9 @@ def test_overlays_differ_only_where_documented(rendered):
     hyperpod_env = {"HEALTHAGENT_HYPERPOD_LABELS", "HEALTHAGENT_BUDGET_NODE_SELECTOR"}
     assert comparable(rendered["hyperpod"], drop_env=hyperpod_env, drop_affinity=True) == comparable(
         generic, drop_affinity=True)
+    eks = rendered["eks-node-repair"]
+    assert comparable(eks, drop_env={"HEALTHAGENT_CONDITION_VOCABULARY"}, drop_node_policy=True) == comparable(
+        generic, drop_node_policy=True)
+    assert env_of(agent_container(eks))["HEALTHAGENT_CONDITION_VOCABULARY"] == "eks"
+    policy = repr(find(eks, "ValidatingAdmissionPolicy", "healthagent-own-node-only")["spec"])
+    assert "AcceleratedHardwareReady" in policy and "NetworkingReady" in policy and "GpuHealthy" not in policy

@@ -18,8 +18,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEPLOY = REPO / "deploy"
-OVERLAYS = ("generic", "hyperpod", "dry-run")
-COMPONENTS = ("nvidia-runtime-class", "podmonitor", "privileged-kernel-log")
+OVERLAYS = ("generic", "hyperpod", "dry-run", "eks-node-repair")
+COMPONENTS = ("nvidia-runtime-class", "podmonitor", "privileged-kernel-log", "network-policy")
 RENDER_TIMEOUT_SECONDS = 120
 
 
