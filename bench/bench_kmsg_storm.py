@@ -13,7 +13,11 @@ XID record every ``--xid-every`` lines, eight different XIDs on the eight GPUs):
 3. the agent (``healthagent run --kube dry-run`` on the demo node, default settings) while the flood
    is appended to its kernel log as fast as this script can write it: time until
    ``healthagent_xid_errors_total`` counts every XID (from the start and from the end of the flood),
-   peak RSS (VmHWM) before and after, RSS after, and no XID missed or counted twice.
+   peak RSS (VmHWM) before and after, RSS after, and no XID missed or counted twice;
+4. the agent under a storm of one XID (``--storm-lines`` XID 13 records on one GPU, then one XID
+   94 on it, ``tests/support/floods.py``'s ``append_xid_storm``): time from the 94 being written
+   to its finding (``GPU_XID`` at ``replace_node`` in /metrics, polled every 20 ms), peak RSS and
+   RSS before and after, the longest line the agent logged (at INFO), and the XIDs counted.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import time
 from pathlib import Path
 
 from bench.common import machine, median, mib, table
-from tests.support.floods import append_flood, flood_records
-from tests.support.live_agent import AgentProcess, wait_until
+from tests.support.floods import append_flood, append_xid_storm, flood_records
+from tests.support.live_agent import AgentProcess, scrape_or_none, wait_until
 
 _KMSG_TEXT = re.compile(r"^\d+,\d+,(\d+),[^;]*;(.*)$")
 
@@ -84,17 +88,27 @@ def follow_rate(lines: int, xid_every: int, runs: int, tmp: Path) -> tuple[float
     return median(rates), collects, found
 
 
-def agent_flood(lines: int, xid_every: int, tmp: Path) -> dict:
+def demo_agent(tmp: Path, name: str, log_level: str):
+    """(the demo node, ``healthagent run --kube dry-run`` on it after its first cycle)."""
     from healthagent.demo.node import build_demo_root
     from healthagent.demo.stub_setup import stub_nvml_env
 
-    demo = build_demo_root(tmp / "agent-root")
+    demo = build_demo_root(tmp / f"{name}-root")
     agent = AgentProcess(dict(host_root=demo.root, kube="dry-run", node_name="demo-p5-node", listen="127.0.0.1:0",
-                              state_file=tmp / "agent-state.json", expected_gpus=8, expected_efa_devices=32,
-                              log_level="WARNING"),
-                         tmp / "agent.log", env=stub_nvml_env(demo.scenario, tmp / "cache" / "healthagent"))
+                              state_file=tmp / f"{name}-state.json", expected_gpus=8, expected_efa_devices=32,
+                              log_level=log_level),
+                         tmp / f"{name}.log", env=stub_nvml_env(demo.scenario, tmp / "cache" / "healthagent"))
     try:
         agent.wait_metric(lambda s: s.value("healthagent_efa_devices") == 32, what="the agent's first cycle")
+    except BaseException:
+        agent.close()
+        raise
+    return demo, agent
+
+
+def agent_flood(lines: int, xid_every: int, tmp: Path) -> dict:
+    demo, agent = demo_agent(tmp, "agent", "WARNING")
+    try:
         before_peak, before_rss = agent.hwm_kib(), agent.rss_kib()
         started = time.monotonic()
         flood = append_flood(demo.kernel_log, demo.gpu_pci_bus_ids, lines, xid_every)
@@ -115,13 +129,50 @@ def agent_flood(lines: int, xid_every: int, tmp: Path) -> dict:
         agent.close()
 
 
+def agent_storm(lines: int, tmp: Path) -> dict:
+    """The agent while ``lines`` XID 13s and then one XID 94 are appended to its kernel log."""
+    demo, agent = demo_agent(tmp, "storm", "INFO")
+    try:
+        before_peak, before_rss = agent.hwm_kib(), agent.rss_kib()
+        started = time.monotonic()
+        flood = append_xid_storm(demo.kernel_log, demo.gpu_pci_bus_ids[2], xid=13, lines=lines, then=94)
+        written = time.monotonic()
+        scrape = wait_until(lambda: _acted_on_94(agent), 600, "the XID 94 acted on", interval=0.02)
+        acted = time.monotonic()
+        done = agent.wait_metric(lambda s: s.total("healthagent_xid_errors_total") >= flood.xids, timeout=600,
+                                 what="every XID counted")
+        counted = {int(s.labels["xid"]): int(s.value) for s in done.samples
+                   if s.name == "healthagent_xid_errors_total"}
+        time.sleep(2.0)  # let the agent settle before the last RSS reading
+        return {"written_s": written - started, "acted_after_written_s": acted - written,
+                "acted_after_start_s": acted - started, "peak_before": before_peak, "peak_after": agent.hwm_kib(),
+                "rss_before": before_rss, "rss_after": agent.rss_kib(), "expected": flood.by_xid,
+                "counted": counted, "longest_log_line": max(len(line) for line in agent.log().splitlines()),
+                "file_mib": demo.kernel_log.stat().st_size / 2**20, "seen_before_94": scrape is not None}
+    finally:
+        agent.close()
+
+
+def _acted_on_94(agent: AgentProcess):
+    scrape = scrape_or_none(agent.port)
+    return scrape if scrape is not None and scrape.value("healthagent_findings", code="GPU_XID",
+                                                         action="replace_node") else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--xid-every", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--storm-lines", type=int, default=1_000_000,
+                        help="XID 13 records before the XID 94 in the one-XID storm (0: skip it)")
+    parser.add_argument("--only-storm", action="store_true", help="run the one-XID storm only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.only_storm:
+        with tempfile.TemporaryDirectory(prefix="bench-storm-") as tmp:
+            print_storm(agent_storm(args.storm_lines, Path(tmp)), args.storm_lines)
+        return
     print(f"kernel-log storm, {args.lines:,} lines, an XID every {args.xid_every}; {machine()}")
     records, expected = [], 0
     pci = ["0000:53:00.0", "0000:64:00.0", "0000:75:00.0", "0000:86:00.0"]
@@ -146,6 +197,23 @@ def main() -> None:
         ["peak RSS before / after", f"{mib(got['peak_before'])} / {mib(got['peak_after'])}"],
         ["RSS before / after", f"{mib(got['rss_before'])} / {mib(got['rss_after'])}"],
         ["XIDs missed or counted twice (by XID)", missed or "none"],
+    ]))
+    if args.storm_lines:
+        with tempfile.TemporaryDirectory(prefix="bench-storm-") as tmp:
+            print_storm(agent_storm(args.storm_lines, Path(tmp)), args.storm_lines)
+
+
+def print_storm(got: dict, lines: int) -> None:
+    print(f"\nthe agent under a storm of one XID ({lines:,} XID 13 records on one GPU, then one XID 94; "
+          f"{got['file_mib']:.0f} MiB of kernel log); {machine()}")
+    print(table(["figure", "value"], [
+        ["storm written in", f"{got['written_s']:.1f} s"],
+        ["XID 94 acted on (GPU_XID replace_node) after it was written", f"{got['acted_after_written_s']:.2f} s"],
+        ["  after the storm began", f"{got['acted_after_start_s']:.1f} s"],
+        ["peak RSS before / after", f"{mib(got['peak_before'])} / {mib(got['peak_after'])}"],
+        ["RSS before / after", f"{mib(got['rss_before'])} / {mib(got['rss_after'])}"],
+        ["longest log line (INFO)", f"{got['longest_log_line']} characters"],
+        ["XIDs counted / written", f"{got['counted']} / {got['expected']}"],
     ]))
 
 

@@ -1,6 +1,6 @@
 """EFA rules from the driver's hw_counters and the device list.
 
-Facts they rest on (shared/reference/efa-counters.md, amzn-drivers efa_verbs.c, AWS docs):
+Facts they rest on (the EFA driver's source, amzn-drivers efa_verbs.c, and AWS docs):
 - the driver hard-codes port ``state`` to ACTIVE and ``phys_state`` to LinkUp, so there is no
   port-down rule: a device that vanished, or fewer devices than the instance has, is the signal
   (EFA_DEVICE_MISSING, in inventory.py);
@@ -9,18 +9,21 @@ Facts they rest on (shared/reference/efa-counters.md, amzn-drivers efa_verbs.c, 
   a minute as the default; ``unresponsive_remote_events`` and ``impaired_remote_conn_events``
   point at the *remote* peer;
 - counters are cumulative since launch or driver reload: a decrease is a reset; a counter the
-  driver does not expose is absent, never a finding.
+  driver does not expose is absent, never a finding;
+- the counters are u64: the histories that decide are floats (a rate needs no more), but the
+  evidence an operator reads is exact integers, kept beside them (a value near 2**64 has no exact
+  float: ``2**64 - 1`` would read ``18446744073709551616``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from healthagent.model import EfaSample
 from healthagent.policy.book import EVENT, Signal, Where
 from healthagent.policy.counters import RatePart, SeriesTrack, finite, rates_over
-from healthagent.policy.findings import FINDINGS, steps_for
+from healthagent.policy.findings import FINDINGS, duration_words, steps_for
 from healthagent.policy.settings import Policy
 
 ADMIN_QUEUE = "no_completion_cmds"
@@ -43,9 +46,34 @@ def efa_key(sample: EfaSample) -> str:
 
 @dataclass
 class EfaTrack(SeriesTrack):
+    # The exact integer of each series' samples by sample time, for the evidence (module docstring);
+    # pruned with the float history, so it holds the same points.
+    exact: dict[str, dict[float, int]] = field(default_factory=dict)
+
+    def note_exact(self, series: str, t: float, value: int) -> None:
+        points = self.exact.setdefault(series, {})
+        points[t] = value
+        kept = {p for p, _ in self.counter(series).points}
+        for old in [p for p in points if p not in kept]:
+            del points[old]
+
+    def exact_at(self, series: str, t: float) -> int | None:
+        """The exact value of the sample nearest ``t`` (times are the same floats, give or take
+        the rounding of a subtraction)."""
+        points = self.exact.get(series)
+        if not points:
+            return None
+        return points[min(points, key=lambda p: abs(p - t))]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(),
+                "exact": {k: [[t, v] for t, v in points.items()] for k, points in self.exact.items()}}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EfaTrack":
-        return cls(**cls.base_fields(d, SERIES))
+        exact = {str(k): {float(t): int(v) for t, v in points} for k, points in d.get("exact", {}).items()
+                 if k in SERIES}
+        return cls(**cls.base_fields(d, SERIES), exact=exact)
 
 
 def _signal(code: str, device: str, evidence: str, quiet: float, count: int) -> Signal:
@@ -65,26 +93,39 @@ class EfaRules:
             return
         counters = {k: v for k, v in (sample.counters or {}).items() if finite(v)}
         yield from self._admin_queue(sample.device, counters, track, t)
+        window = self.policy.rate_window_seconds
         for code, names, threshold in RATE_RULES:
             present = [counters[n] for n in names if n in counters]
-            part = RatePart(code, float(sum(present)) if present else None, self.policy.thresholds[threshold],
-                            "+".join(names))
-            over = rates_over(track.counter, t, self.policy.rate_window_seconds, [part])
+            if not present:
+                continue
+            total = sum(int(v) for v in present)
+            per_minute = self.policy.thresholds[threshold]
+            over = rates_over(track.counter, t, window, [RatePart(code, float(total), per_minute, "+".join(names))])
+            track.note_exact(code, t, total)
             if over:
-                yield _signal(code, sample.device, over[0][1], self.policy.counter_quiet_seconds, int(over[0][0]))
+                _, covered = track.counter(code).increase_over(t, window)
+                base = track.exact_at(code, t - covered)
+                increase = total - base if base is not None and base <= total else int(over[0][0])
+                evidence = (f"{'+'.join(names)} +{increase} in {duration_words(covered)} "
+                            f"(limit {per_minute:g}/min)")
+                yield _signal(code, sample.device, evidence, self.policy.counter_quiet_seconds, increase)
 
     def _admin_queue(self, device: str, counters: dict[str, Any], track: EfaTrack, t: float) -> Iterator[Signal]:
         """Any rise of no_completion_cmds (a non-zero count on first sight too: the queue has
         already been stopped since the driver loaded). reboot_node: stays until the reboot."""
         if ADMIN_QUEUE not in counters:
             return
-        growth = track.counter(ADMIN_QUEUE).add(t, counters[ADMIN_QUEUE], self.policy.rate_window_seconds)
+        current = int(counters[ADMIN_QUEUE])
+        previous = track.exact_at(ADMIN_QUEUE, track.counter(ADMIN_QUEUE).points[-1][0]) \
+            if track.counter(ADMIN_QUEUE).points else None
+        growth = track.counter(ADMIN_QUEUE).add(t, current, self.policy.rate_window_seconds)
         if growth is None:
             return
+        track.note_exact(ADMIN_QUEUE, t, current)
         if growth.increase > 0:
-            evidence = f"{ADMIN_QUEUE} {growth.previous:.0f} -> {growth.current:.0f}"
+            evidence = f"{ADMIN_QUEUE} {previous if previous is not None else int(growth.previous or 0)} -> {current}"
         elif growth.without_baseline > 0:
-            evidence = f"{ADMIN_QUEUE} is {growth.current:.0f} (since the driver loaded)"
+            evidence = f"{ADMIN_QUEUE} is {current} (since the driver loaded)"
         else:
             return
         yield _signal("EFA_ADMIN_QUEUE_STUCK", device, evidence, self.policy.counter_quiet_seconds, 1)

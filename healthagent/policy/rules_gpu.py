@@ -9,7 +9,11 @@ Sources of the thresholds (all overridable in the policy file):
 - PCIe replays: DCGM's limit of 8 a minute; NVLink: DCGM flags any replay/recovery error and CRC
   errors past 100 a second;
 - corrected ECC ("SBE storm"): a rate over a threshold that is also accelerating against the
-  previous window, because storms of corrected errors precede uncorrectable ones.
+  previous window, because storms of corrected errors precede uncorrectable ones;
+- a GPU the driver could not initialise (``RmInitAdapter failed`` in the kernel log) is not
+  usable: NVIDIA's tools list no such GPU (``nvidia-smi`` cannot open it) and the driver only
+  retries when a process opens it again. So it is ``reboot_node`` unless a GPU source lists that
+  GPU working now (a later attempt succeeded: ``monitor``, on record).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from healthagent.model import GpuSample
+from healthagent.model import Action, Collection, GpuSample, XidEvent
 from healthagent.policy.book import CONDITION, EVENT, Signal, Where
 from healthagent.policy.counters import RatePart, SeriesTrack, finite, optional_float, rates_over
-from healthagent.policy.findings import FINDINGS, duration_words, gpu_words, steps_for
+from healthagent.policy.findings import FINDINGS, clock, duration_words, gpu_words, steps_for
+from healthagent.policy.inventory import GPU_SOURCES, source_answered
 from healthagent.policy.settings import Policy
 
 WEEK = 7 * 24 * 3600.0
@@ -76,6 +81,40 @@ class GpuRules:
         for rule in (self._dbe, self._sbe_storm, self._remap, self._retired, self._nvlink, self._pcie,
                      self._throttle):
             yield from rule(gpu, track, where, t)
+
+    def init_failures(self, events: "tuple[XidEvent, ...]", collection: Collection) -> Iterator[Signal]:
+        """GPU_INIT_FAILED for each ``RmInitAdapter failed`` report, judged against the GPUs the GPU
+        sources list now: one they list working initialised on a later attempt (``monitor``); one
+        they do not list, or any GPU while no GPU source answered, is not usable (``reboot_node``):
+        the kernel log saw it fail and nothing saw it recover. A report without an address is
+        judged by the count: every expected GPU listed working is ``monitor``."""
+        answered = source_answered(collection, GPU_SOURCES, bool(collection.gpus))
+        working = [g for g in collection.gpus if not g.lost]
+        names = "/".join(sorted({h.source for h in collection.health if h.source in GPU_SOURCES and h.up})) or "NVML"
+        for event in events:
+            gpu = next((g for g in working if event.pci_bus_id and g.pci_bus_id == event.pci_bus_id), None)
+            expected = collection.expected_gpus
+            if not answered:
+                recovered, seen = False, "no GPU source answered, so nothing shows that a later attempt succeeded"
+            elif event.pci_bus_id:
+                recovered = gpu is not None
+                seen = (f"{names} lists it now as GPU {gpu.index}, so a later attempt succeeded" if gpu else
+                        f"{names} lists {len(working)} working GPUs, not this one"
+                        + (f" (expected {expected})" if expected is not None else ""))
+            else:
+                recovered = expected is not None and len(working) >= expected
+                seen = f"{names} lists {len(working)} working GPUs" + (
+                    f" of {expected} expected" if expected is not None else " (how many to expect is unknown)")
+            where = Where(gpu.index, gpu.pci_bus_id, gpu.uuid) if gpu else Where(pci_bus_id=event.pci_bus_id)
+            info = FINDINGS["GPU_INIT_FAILED"]
+            subject = gpu_words(where.gpu_index, where.pci_bus_id) if where.pci_bus_id else "a GPU the log did not name"
+            yield Signal(code="GPU_INIT_FAILED", where=where, bad=True, kind=EVENT,
+                         action=Action.MONITOR if recovered else Action.REBOOT_NODE,
+                         summary=f"{subject}: {info.title}" + ("; it initialised on a later attempt" if recovered
+                                                                else "; it is not usable"),
+                         evidence=f"kernel log at {clock(event.timestamp)} UTC: {event.message.strip()[:200]}; {seen}",
+                         next_steps=steps_for("GPU_INIT_FAILED", index=where.gpu_index, pci_bus_id=where.pci_bus_id),
+                         quiet_seconds=self.policy.xid_window_seconds, count=max(1, event.repeats))
 
     # -- helpers ----------------------------------------------------------------------------------
 

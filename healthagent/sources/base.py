@@ -54,6 +54,11 @@ class EventSource(Source, Protocol):
     @property
     def cursor(self) -> Cursor: ...
 
+    @property
+    def backlog(self) -> bool:
+        """The last ``collect`` stopped at its budget with more to read: read again at once."""
+        ...
+
 
 class XidEventQueue(Protocol):
     """XID events a driver thread queued (NVML's event thread); the loop drains them every cycle

@@ -93,6 +93,7 @@ class NvmlSource:
         # Last good sample by UUID (identity of lost/vanished GPUs) and last sample by index.
         self._last_good: OrderedDict[str, GpuSample] = OrderedDict()
         self._last_at_index: dict[int, GpuSample] = {}
+        self._unreadable: list[str] = []  # this collection's GPUs NVML counts but we could not read
         self._lost_now: set[str] = set()
 
     # -- the Source protocol -----------------------------------------------------------------------
@@ -139,6 +140,7 @@ class NvmlSource:
                 self._teardown()
                 self._next_init_at = 0.0
             return self._result(False, detail)
+        self._unreadable = []
         enumerated = [s for s in (self._read_gpu(index, now) for index in range(count)) if s is not None]
         vanished = self._vanished(enumerated, now)
         self._note_losses(enumerated, vanished)
@@ -150,7 +152,12 @@ class NvmlSource:
             self._events.start(alive)
         else:
             self._events.update(alive)
-        return self._result(True, self._detail(count, samples), tuple(samples))
+        result = self._result(True, self._detail(count, samples), tuple(samples))
+        if self._unreadable:
+            # NVML counts these GPUs but would not let us read them (NO_PERMISSION, an unknown
+            # error): they are there, so never GPU_MISSING, and unobserved, so never healthy.
+            result = replace(result, health=replace(result.health, unobserved=tuple(self._unreadable)))
+        return result
 
     def _init(self) -> bool:
         mono = time.monotonic()
@@ -197,8 +204,12 @@ class NvmlSource:
                     if not identity["pci_bus_id"]:
                         self.tally.count("parse", f"gpu={index} unreadable PCI bus id {pci_text!r}")
             if "pci_bus_id" not in identity:
-                # Neither lost nor readable (the error is counted): keep last cycle's picture.
-                return self._last_at_index.get(index)
+                # Neither lost nor readable (the error is counted): keep last cycle's picture, or,
+                # without one, name the GPU unobserved (counted by NVML, not missing).
+                last = self._last_at_index.get(index)
+                if last is None:
+                    self._unreadable.append(f"GPU {index}")
+                return last
             return self._read_health(index, handle, identity, now)
         except _GpuLost as lost:
             log.debug("source=nvml gpu=%d lost during %s", index, lost)

@@ -157,3 +157,11 @@ def test_the_agent_expects_the_instance_types_inventory(node, tmp_path):
     exposition = generate_latest(telemetry.registry).decode()
     assert "healthagent_gpus_expected 8.0" in exposition
     assert "healthagent_efa_devices_expected 32.0" in exposition
+
+
+def test_check_counts_every_xid_of_a_folded_storm(node, capsys):
+    """A run of one XID is folded into a few events with repeat counts; check reports every XID."""
+    for _ in range(40):
+        node.inject_xid(3, 13, via="kmsg")
+    main(["check", "--host-root", str(node.root), "--no-nvml", "--json"])
+    assert json.loads(capsys.readouterr().out)["xid_events"] == 40

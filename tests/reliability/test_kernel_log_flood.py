@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tests.reliability.helpers import NODE, events_by_reason, our_taints
-from tests.support.floods import append_flood
-from tests.support.live_agent import AgentProcess, wait_until, write_kubeconfig
+from tests.support.floods import append_flood, warm_flood_agent
+from tests.support.live_agent import wait_until
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
@@ -22,13 +22,8 @@ PEAK_GROWTH_LIMIT_KIB = 64 * 1024  # the flood is ~118 MiB: a reader that slurpe
 
 
 def test_a_million_line_flood(demo, fake, tmp_path, stub_cache):
-    agent = AgentProcess(dict(host_root=demo.root, kube="kubeconfig", node_name=NODE,
-                              kubeconfig=write_kubeconfig(fake.url, tmp_path / "kubeconfig"),
-                              state_file=tmp_path / "state.json", expected_efa_devices=32, no_nvml=True),
-                         tmp_path / "agent.log", env={"XDG_CACHE_HOME": str(stub_cache)})
+    agent = warm_flood_agent(demo, fake.url, NODE, tmp_path, stub_cache)
     try:
-        agent.wait_metric(lambda s: s.value("healthagent_kube_reachable") == 1
-                          and s.value("healthagent_efa_devices") == 32, what="a warm agent")
         peak_before = agent.hwm_kib()
         flood = append_flood(demo.kernel_log, demo.gpu_pci_bus_ids, LINES, XID_EVERY)
         assert flood.xids == LINES // XID_EVERY

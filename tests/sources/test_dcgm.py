@@ -230,6 +230,62 @@ def test_one_x_compatibility_names(exporter):
     assert [e.xid for e in result.xids] == [79]
 
 
+@pytest.mark.parametrize("metric, read", [
+    ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", lambda g: g.ecc.volatile_corrected),
+    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", lambda g: g.ecc.volatile_uncorrected),
+    ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", lambda g: g.ecc.aggregate_corrected),
+    ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", lambda g: g.ecc.aggregate_uncorrected),
+    ("dcgm_ecc_sbe_volatile_total", lambda g: g.ecc.volatile_corrected),
+    ("dcgm_ecc_dbe_volatile_total", lambda g: g.ecc.volatile_uncorrected),
+    ("dcgm_ecc_sbe_aggregate_total", lambda g: g.ecc.aggregate_corrected),
+    ("dcgm_ecc_dbe_aggregate_total", lambda g: g.ecc.aggregate_uncorrected),
+    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", lambda g: g.remap.correctable),
+    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", lambda g: g.remap.uncorrectable),
+    ("DCGM_FI_DEV_ROW_REMAP_PENDING", lambda g: g.remap.pending),
+    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", lambda g: g.remap.failure),
+    ("DCGM_FI_DEV_RETIRED_SBE", lambda g: g.retired_pages.single_bit),
+    ("DCGM_FI_DEV_RETIRED_DBE", lambda g: g.retired_pages.double_bit),
+    ("DCGM_FI_DEV_RETIRED_PENDING", lambda g: g.retired_pages.pending),
+    ("dcgm_retired_pages_sbe", lambda g: g.retired_pages.single_bit),
+    ("dcgm_retired_pages_dbe", lambda g: g.retired_pages.double_bit),
+    ("dcgm_retired_pages_pending", lambda g: g.retired_pages.pending),
+])
+def test_each_health_field_name_alone_observes_the_gpu(exporter, metric, read):
+    """Every name the exporter versions give a health field, as the only field of a custom list."""
+    kind = "counter" if metric.lower().endswith("total") else "gauge"
+    result = scrape(exporter, f"# TYPE {metric} {kind}\n{metric}{{gpu=\"0\",UUID=\"GPU-a\"}} 1\n")
+    assert result.health.up is True and result.health.unobserved == ()
+    (gpu,) = result.gpus
+    assert read(gpu) in (1, True)
+
+
+def test_gpus_listed_without_a_health_field_are_named_unobserved_beside_the_observed(exporter):
+    body = ('DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a"} 0\n'
+            'DCGM_FI_DEV_SM_CLOCK{gpu="0",UUID="GPU-a"} 1980\n'
+            'DCGM_FI_DEV_SM_CLOCK{gpu="1",UUID="GPU-b"} 1980\n')
+    result = scrape(exporter, body)
+    assert result.health.up is True and [g.uuid for g in result.gpus] == ["GPU-a"]
+    assert result.health.unobserved == ("GPU 1 (GPU-b)",)
+    assert "not carried by the exporter: ECC, row remapping, retired pages" in result.health.detail
+
+
+def test_the_exporters_xid_counters_count_new_xids_and_survive_its_restart(exporter):
+    labels = 'gpu="0",UUID="GPU-a"'
+    source = DcgmSource(exporter.serve("/m", f'DCGM_EXP_XID_ERRORS_TOTAL{{{labels},xid="13"}} 40\n'), 2.0)
+    assert source.collect(NOW).xids == ()  # the baseline: 40 XID 13s from before
+    exporter.serve("/m", f'DCGM_EXP_XID_ERRORS_TOTAL{{{labels},xid="13"}} 41\n'
+                         f'DCGM_EXP_XID_ERRORS_TOTAL{{{labels},xid="94"}} 1\n')  # a series that appears is new
+    assert sorted((e.xid, e.repeats) for e in source.collect(NOW + 10).xids) == [(13, 1), (94, 1)]
+    exporter.serve("/m", f'DCGM_EXP_XID_ERRORS_TOTAL{{{labels},xid="13"}} 2\n')  # the exporter restarted
+    assert [(e.xid, e.repeats) for e in source.collect(NOW + 20).xids] == [(13, 2)]
+    window = DcgmSource(exporter.serve("/w", f'DCGM_EXP_XID_ERRORS_COUNT{{{labels}}} 0\n'), 2.0)
+    assert window.collect(NOW).xids == () and window.collect(NOW).gpus  # no XID yet, yet observed
+    exporter.serve("/w", f'DCGM_EXP_XID_ERRORS_COUNT{{{labels},xid="79"}} 2\n')
+    assert [(e.xid, e.repeats) for e in window.collect(NOW + 10).xids] == [(79, 2)]
+    exporter.serve("/w", f'DCGM_EXP_XID_ERRORS_COUNT{{{labels},xid="79"}} 1\n')  # one left the window
+    assert window.collect(NOW + 20).xids == ()
+
+
 @pytest.mark.parametrize("mask, names", [
     (0, ()),
     (0x1, ("gpu_idle",)),
@@ -366,9 +422,10 @@ def test_bad_bodies_are_parse_errors(exporter, route, why):
     assert result.gpus == () and result.xids == ()
 
 
-def test_an_empty_body_is_up_with_no_gpus(exporter):
+def test_an_empty_body_lists_no_gpu_so_the_gpus_are_unobserved_not_healthy(exporter):
     result = scrape(exporter, "")
-    assert (result.health.up, result.gpus, result.health.errors) == (True, (), {})
+    assert (result.health.up, result.gpus, result.health.errors) == (False, (), {"no_gpus": 1})
+    assert "lists no GPU" in result.health.detail
 
 
 def test_nonsense_values_are_counted_not_raised(exporter):
@@ -405,6 +462,6 @@ def test_any_text_is_a_result_never_an_exception(body):
     source = _Offline("http://127.0.0.1:9/metrics", 1.0)
     source.body = body
     result = source.collect(NOW)
-    assert result.health.up or result.health.errors.get("parse", 0) >= 1
+    assert result.health.up or result.health.errors  # down always says why, counted
     for gpu in result.gpus:
         assert gpu.source == "dcgm"

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
 import time
@@ -233,15 +234,19 @@ def test_work_per_collect_is_bounded_and_nothing_is_lost(host, budget):
     kernel = FakeKernel("".join(xid_line(1_000 * i, 13, pid=i) for i in range(40)))
     source = source_for(host, kernel, max_records_per_cycle=budget)
     pids: list[int] = []
+    reports = 0
     for _ in range(100):
         result = source.collect(NOW)
         assert len(result.xids) <= budget
         pids += [e.pid for e in result.xids]
+        reports += sum(e.repeats for e in result.xids)
         backlogged = "; backlog: " in result.health.detail
-        assert backlogged == (len(pids) < 40)
+        assert backlogged == (reports < 40) == source.backlog
         if not backlogged:
             break
-    assert pids == list(range(40))
+    # Within one read a run of XID 13 beyond its first eight is one event: the last, with the count.
+    assert reports == 40 and pids == sorted(pids) and pids[-1] == 39
+    assert pids[:8] == list(range(8))
 
 
 def test_the_ring_is_read_at_most_once_per_interval_of_the_loops_clock_unless_backlogged(host):
@@ -275,7 +280,10 @@ def test_a_ring_that_wrapped_past_the_cursor_counts_overrun_and_finds_the_new_xi
     surviving = [int(re.search(rb"pid=(\d+)", raw).group(1)) for raw in kernel.lines]
     assert 0 < len(surviving) < 120 and surviving[-1] == 119
     result = source.collect(NOW)
-    assert [e.pid for e in result.xids] == surviving
+    # Each surviving line once: XID 13 beyond its first eight folded into the last, with the count.
+    assert sum(e.repeats for e in result.xids) == len(surviving)
+    assert {e.pid for e in result.xids} <= set(surviving) and result.xids[-1].pid == surviving[-1]
+    assert [e.pid for e in result.xids if e.xid == 94] == [p for p in surviving if p % 10 == 0]
     assert result.health.errors == {"overrun": 1}
     kernel.log(xid_line(5_000, 64, pid=500))
     after = source.collect(NOW)
@@ -489,20 +497,25 @@ def test_a_kernel_log_file_never_falls_back(tmp_path, host):
     assert kernel.actions == []
 
 
-def _world_readable_host(boot_id: str) -> Path:
-    """A host root an unprivileged user can walk (pytest's tmp dirs are private to root)."""
+@pytest.fixture
+def world_readable_host():
+    """A host root an unprivileged user can walk (pytest's tmp dirs are private to root), removed
+    after the test."""
     root = Path(tempfile.mkdtemp(prefix="healthagent-klog-"))
-    root.chmod(0o755)
-    host = make_host(root / "host", boot_id=boot_id, kmsg_text=None)
-    for folder in (host, *(p for p in host.rglob("*") if p.is_dir())):
-        folder.chmod(0o755)
-    return host
+    try:
+        root.chmod(0o755)
+        host = make_host(root / "host", boot_id=BOOT_A, kmsg_text=None)
+        for folder in (host, *(p for p in host.rglob("*") if p.is_dir())):
+            folder.chmod(0o755)
+        yield host
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
-def test_klogctl_is_taken_when_the_kernel_refuses_to_open_dev_kmsg():
+def test_klogctl_is_taken_when_the_kernel_refuses_to_open_dev_kmsg(world_readable_host):
     """dev/kmsg is a file of mode 000, opened by an unprivileged user: the kernel answers EACCES,
     as a device cgroup answers EPERM for the real device (which this machine has no cgroup to show)."""
-    host = _world_readable_host(BOOT_A)
+    host = world_readable_host
     kmsg = host / "dev" / "kmsg"
     kmsg.write_text(record(1, xid_text(13), priority=4))  # must not be read: the kernel refuses it
     kmsg.chmod(0)
@@ -666,7 +679,8 @@ def test_no_line_is_handed_over_twice_none_the_ring_still_holds_is_skipped_and_l
             if action == "log":
                 for _ in range(count):
                     usec += advance
-                    text = f"NVRM: Xid (PCI:0000:a8:00): 13, pid={logged}, name=p, x"
+                    # three XIDs in turn: no run of one is long enough within a read to be folded
+                    text = f"NVRM: Xid (PCI:0000:a8:00): {13 + logged % 3}, pid={logged}, name=p, x"
                     kernel.log(line(usec, text) if timestamps else f"<4>{text}\n")
                     logged += 1
             elif action == "collect":

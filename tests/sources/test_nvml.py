@@ -365,3 +365,20 @@ def test_the_throttle_reason_bits_are_nvmls():
     assert {name for name, _ in THROTTLE_REASONS} == set(names)
     for name, bit in THROTTLE_REASONS:
         assert getattr(pynvml, f"nvmlClocksThrottleReason{names[name]}") == bit, name
+
+
+@pytest.mark.integration
+def test_a_gpu_nvml_counts_but_will_not_open_is_unobserved_not_dropped(lib, scenario):
+    """NO_PERMISSION on a GPU's handle (a device cgroup that leaves one GPU out): NVML still counts
+    it, so it is named unobserved, and the policy neither calls it missing nor the node healthy."""
+    from healthagent.model import SourceHealth
+    from tests.support.policy import classifier, codes, collect, gpus, verdict_of
+
+    (result,) = run_steps(lib, scenario, [{"op": "deny_handle", "gpu": 3}, {"op": "collect"}])[1:]
+    assert result["health"]["up"] is True and result["health"]["unobserved"] == ["GPU 3"]
+    assert sorted(g["index"] for g in result["gpus"]) == [0, 1, 2, 4, 5, 6, 7]
+    seen = tuple(g for g in gpus() if g.index != 3)
+    health = SourceHealth(source="nvml", up=True, unobserved=tuple(result["health"]["unobserved"]))
+    verdict = verdict_of(classifier(), collect(1.0, gpus=seen, health=(health,), expected_gpus=8))
+    assert "GPU_MISSING" not in codes(verdict) and "gpu" in verdict.unobserved
+    assert verdict.action.value == "none"

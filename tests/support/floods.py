@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from healthagent.demo.node import XID_MESSAGES, kmsg_record
+from tests.support.live_agent import AgentProcess, write_kubeconfig
 
 # Lines a flooding kernel writes; none of them mentions an XID or a GPU falling off the bus.
 NOISE = (
@@ -89,3 +90,48 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def append_xid_storm(kernel_log: Path, gpu_pci: str, xid: int = 13, lines: int = 1_000_000,
+                     then: int | None = 94, chunk_lines: int = 20_000) -> Flood:
+    """Append ``lines`` records of one XID on one GPU (a GPU or an application in a fault loop: the
+    driver logs every one), then one record of XID ``then`` on the same GPU; /dev/kmsg records as
+    the real device gives them, each with its own pid and the driver's words."""
+    pci = gpu_pci.rsplit(".", 1)[0]
+    first = last_seq(kernel_log) + 1
+    fd = os.open(kernel_log, os.O_WRONLY | os.O_APPEND)
+    try:
+        chunk: list[str] = []
+        for n in range(lines):
+            chunk.append(kmsg_record(4, first + n, 7_300_000_000 + n * 7,
+                                     f"NVRM: Xid (PCI:{pci}): {xid}, pid={40000 + n % 9000}, name=python, "
+                                     f"{XID_MESSAGES[xid]}"))
+            if len(chunk) >= chunk_lines:
+                _write_all(fd, "".join(chunk).encode("utf-8"))
+                chunk = []
+        if then is not None:
+            chunk.append(kmsg_record(4, first + lines, 7_300_000_000 + lines * 7,
+                                     f"NVRM: Xid (PCI:{pci}): {then}, pid=1, name=python, {XID_MESSAGES[then]}"))
+        _write_all(fd, "".join(chunk).encode("utf-8"))
+    finally:
+        os.close(fd)
+    by_xid = {xid: lines}
+    if then is not None:
+        by_xid[then] = by_xid.get(then, 0) + 1
+    return Flood(lines=lines + (then is not None), xids=sum(by_xid.values()), by_xid=by_xid)
+
+
+def warm_flood_agent(demo, kube_url: str, node: str, tmp_path: Path, stub_cache: Path) -> AgentProcess:
+    """``healthagent run`` on the demo node without NVML, writing to the API server at ``kube_url``,
+    once it reached the server and read its 32 EFA devices: the agent both flood tests drive."""
+    agent = AgentProcess(dict(host_root=demo.root, kube="kubeconfig", node_name=node,
+                              kubeconfig=write_kubeconfig(kube_url, tmp_path / "kubeconfig"),
+                              state_file=tmp_path / "state.json", expected_efa_devices=32, no_nvml=True),
+                         tmp_path / "agent.log", env={"XDG_CACHE_HOME": str(stub_cache)})
+    try:
+        agent.wait_metric(lambda s: s.value("healthagent_kube_reachable") == 1
+                          and s.value("healthagent_efa_devices") == 32, what="a warm agent")
+    except BaseException:
+        agent.close()
+        raise
+    return agent

@@ -5,7 +5,9 @@ node-problem-detector's kernel monitor already keeps them apart (one log watcher
 one interface, a pure problem matcher, a thin monitor that wires them). Here:
 
 - ``formats``: the record formats (``/dev/kmsg``, dmesg, ``journalctl -k``, syslog) taken apart;
-- ``parser``: kernel-log lines to ``XidEvent``s (XID, SXid, fallen off the bus); pure, no I/O;
+- ``parser``: kernel-log lines to ``XidEvent``s (XID, SXid, fallen off the bus, a GPU that failed
+  to initialise); pure, no I/O; ``repeats``: a storm of one XID folded into a few events that carry
+  its count;
 - ``reader``: the one interface every input's reader has; ``device_reader`` (``/dev/kmsg``),
   ``file_reader`` (a followed file) and ``ring_reader`` (the ring through ``syslog(2)``, with
   ``klogctl`` the system call and ``ring`` the telling of new lines from old ones);

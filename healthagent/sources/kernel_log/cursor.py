@@ -25,7 +25,9 @@ class KmsgCursor:
     switches between the two neither repeats nor skips. ``tail`` holds digests of the last lines
     the klogctl reader handed over: the last one, found again among the lines of its stamp after a
     restart, or the last eight, which stand in for a stamp when the kernel log has none
-    (``printk.time`` off).
+    (``printk.time`` off). ``fingerprint`` is a digest of a followed file's first bytes and the
+    bytes before ``offset``: what tells, after a restart, whether the file at ``path`` is still the
+    log the offset was in (a copy of it carries on; a truncated or rewritten one is read again).
     """
 
     boot_id: str = ""
@@ -36,11 +38,13 @@ class KmsgCursor:
     usec: int | None = None
     same: int = 0
     tail: tuple[str, ...] = ()
+    fingerprint: str = ""
 
     def to_dict(self) -> dict:
         """The JSON-ready form the state file keeps."""
         return {"boot_id": self.boot_id, "seq": self.seq, "path": self.path, "inode": self.inode,
-                "offset": self.offset, "usec": self.usec, "same": self.same, "tail": list(self.tail)}
+                "offset": self.offset, "usec": self.usec, "same": self.same, "tail": list(self.tail),
+                "fingerprint": self.fingerprint}
 
     @classmethod
     def from_dict(cls, data: Mapping | None) -> "KmsgCursor":
@@ -63,7 +67,8 @@ class KmsgCursor:
         usec = count("usec")
         return cls(boot_id=text("boot_id"), seq=count("seq"), path=text("path"), inode=count("inode"),
                    offset=count("offset") or 0, usec=usec,
-                   same=(count("same") or 1) if usec is not None else 0, tail=digests)
+                   same=(count("same") or 1) if usec is not None else 0, tail=digests,
+                   fingerprint=text("fingerprint")[:64])
 
     def ring_position(self) -> RingPosition:
         """The part that holds without sequence numbers: what a resume by timestamp needs."""

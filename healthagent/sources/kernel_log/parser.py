@@ -13,8 +13,20 @@ new errors, so they are not counted again), and the three fallen-off-the-bus for
 line, the driver's ``NVRM: GPU dddd:bb:dd.f: GPU has fallen off the bus.`` and the probe-time
 ``NVRM: The NVIDIA GPU dddd:bb:dd.f ... fallen off the bus and is not responding to commands.``
 (one printk of three lines; dmesg prints the last line without the address, so the parser looks
-back two lines for it). NVIDIA's catalog gives "fallen off the bus" XID 79, so those events carry
-``xid=79`` with ``kind="fallen_off_bus"``.
+back two lines for the report's first line, and only for it: an address is never borrowed from
+another GPU's line). NVIDIA's catalog gives "fallen off the bus" XID 79, so those events carry
+``xid=79`` with ``kind="fallen_off_bus"``. A GPU that failed to initialise
+(``NVRM: GPU dddd:bb:dd.f: RmInitAdapter failed! (0x62:0xffff:1863)``; older drivers leave out
+the address) is ``kind="init_failed"`` (``xid`` 0: it is not an XID).
+
+An XID number is at most nine digits (the driver prints a 32-bit code; NVIDIA's catalog stops at
+three digits): a longer one is malformed, counted ``parse`` and reported as nothing, never cut.
+
+A run of the same report (kind, XID, GPU) within one read is folded when a ``RepeatFolder`` is
+given (the source gives one; ``healthagent classify`` does not): its first ``kept`` reports are
+events, the rest one more event that carries their count (``XidEvent.repeats``). A flood of a
+million XID 13s then costs the policy a handful of events, and the XID after it is acted on as
+soon as it is read.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
 
-from healthagent.model import FALLEN_OFF_BUS_XID, XidEvent, canonical_pci_bus_id
+from healthagent.model import FALLEN_OFF_BUS_XID, INIT_FAILED, XidEvent, canonical_pci_bus_id
 from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.formats import (
     is_kmsg_dictionary_line,
@@ -32,6 +44,7 @@ from healthagent.sources.kernel_log.formats import (
     text_prefix,
     unescape_kmsg,
 )
+from healthagent.sources.kernel_log.repeats import RepeatFolder
 
 SOURCE_NAME = "kmsg"
 # A kernel record's text is at most 8 KiB; of a longer candidate line only this much is parsed.
@@ -41,11 +54,20 @@ PARSER_CONTEXT_LINES = 4
 
 # The XID/SXid report proper; group 2 is what the parentheses hold (PCI id, MIG ids: at most
 # "PCI:0000:c5:00 GPU-I:03 GPU-CI:01"). Bounded repeats keep a garbage line linear, not quadratic.
-_XID = re.compile(r"(S?)Xid\s{0,4}\(([^)\n]{0,64})\)\s{0,4}:\s{0,4}(\d{1,9})")
+# The number is taken whole and judged by its length (``MAX_XID_DIGITS``), never cut.
+_XID = re.compile(r"(S?)Xid\s{0,4}\(([^)\n]{0,64})\)\s{0,4}:\s{0,4}(\d+)")
 # A damaged report that still names a number ("NVRM: Xid (PCI:...) 94, ..." / "NVRM: Xid 94").
-_XID_LOOSE = re.compile(r"(S?)Xid\b\s{0,4}(?:\(([^)\n]{0,64})\))?\s{0,4}[:,]?\s{0,4}(\d{1,9})\b")
+_XID_LOOSE = re.compile(r"(S?)Xid\b\s{0,4}(?:\(([^)\n]{0,64})\))?\s{0,4}[:,]?\s{0,4}(\d+)\b")
+MAX_XID_DIGITS = 9
 _PROCESS = re.compile(r",\s*pid='?(?P<pid><unknown>|\d+)'?(?:,\s*name='?(?P<name>[^,']*)'?)?")
 _PCI_IN_TEXT = re.compile(r"(?<![0-9A-Za-z])(?:PCI:)?([0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)(?![0-9A-Za-z])")
+# The driver's per-GPU prefix (``NV_DEV_PRINTF``): "NVRM: GPU 0000:18:00.0: ..." (some builds
+# leave out the domain: "NVRM: GPU 18:00.0: ..."), or the older "NVRM: GPU at PCI:0000:18:00: ...".
+_GPU_PREFIX = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?((?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
+                         r"(?:\.[0-7])?)(?![0-9A-Za-z.])")
+# The first line of the probe-time report, the only line a later "fallen off" line may borrow from.
+_PROBE_HEAD = "The NVIDIA GPU"
+_INIT_FAILED = "RmInitAdapter failed"
 _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
 _SXID_DETAIL_PREFIXES = ("Severity", "Data")
 
@@ -65,13 +87,14 @@ class LogChunk:
 class XidLineParser:
     """Turns kernel-log lines into ``XidEvent``s; never raises, counts what it cannot read.
 
-    Stateful only in two small ways: the last two lines (the probe-time fallen-off-the-bus report
-    names its GPU two lines earlier in dmesg's output) and the last SXid headline (its ``Severity``
-    and ``Data`` lines belong to it). ``now`` may be moved forward by the caller each cycle.
+    Stateful only in small ways: the last two lines (the probe-time fallen-off-the-bus report
+    names its GPU two lines earlier in dmesg's output), the last SXid headline (its ``Severity``
+    and ``Data`` lines belong to it) and, with ``repeats``, the folding of the read in progress
+    (``take_repeats`` ends it). ``now`` may be moved forward by the caller each cycle.
     """
 
     def __init__(self, tally: ErrorTally, *, boot_time: float, now: float, boot_id: str = "",
-                 earlier_boot_before: float | None = None) -> None:
+                 earlier_boot_before: float | None = None, repeats: RepeatFolder | None = None) -> None:
         self.tally = tally
         self.boot_time = boot_time
         self.now = now
@@ -81,6 +104,7 @@ class XidLineParser:
         self.earlier_boot_before = earlier_boot_before
         self._previous: tuple[str, str] = ("", "")
         self._last_sxid: tuple[str, int] | None = None
+        self.repeats = repeats
 
     def feed(self, chunk: LogChunk) -> Iterator[XidEvent]:
         """The events of a reader's chunk: its context is taken first (at once), then its lines
@@ -93,19 +117,30 @@ class XidLineParser:
         """Take the context of lines handed over before this parser existed (a restart): the
         look-back lines and the last SXid headline, yielding no event and counting nothing again."""
         tally, self.tally = self.tally, ErrorTally(SOURCE_NAME)
+        repeats, self.repeats = self.repeats, None
         try:
             for _ in self.scan(lines):
                 pass
         finally:
-            self.tally = tally
+            self.tally, self.repeats = tally, repeats
+
+    def take_repeats(self) -> list[XidEvent]:
+        """End the read in progress: the events that stand for the reports folded in it (each the
+        last of its run, with ``repeats``); [] without a folder or when nothing was folded."""
+        if self.repeats is None:
+            return []
+        return self.repeats.take(self.parse)
 
     def scan(self, lines: Iterable[str]) -> Iterator[XidEvent]:
-        """The events in ``lines``, lazily. Non-XID lines cost two substring tests."""
+        """The events in ``lines``, lazily. Non-XID lines cost three substring tests."""
         before, last = self._previous
+        folded = self.repeats.fold_record if self.repeats is not None else None
         try:
             for line in lines:
-                if "Xid" in line or "fallen off" in line:  # the cheap pre-filter: the hot path
-                    event = self.parse(line, (before, last))
+                # the cheap pre-filter, then a storm's repeats folded from their text: the hot path
+                if ("Xid" in line or "fallen off" in line or _INIT_FAILED in line) and not (
+                        folded is not None and folded(line, MAX_PARSED_CHARS)):
+                    event = self._candidate(line, (before, last))
                     if event is not None:
                         yield event
                 before, last = last, line
@@ -114,11 +149,22 @@ class XidLineParser:
 
     def _records(self, lines: Iterable[str]) -> Iterator[XidEvent]:
         """The events of whole records: each is parsed alone, without look-back."""
+        folded = self.repeats.fold_record if self.repeats is not None else None
         for line in lines:
-            if "Xid" in line or "fallen off" in line:
-                event = self.parse(line)
+            if ("Xid" in line or "fallen off" in line or _INIT_FAILED in line) and not (
+                    folded is not None and folded(line, MAX_PARSED_CHARS)):
+                event = self._candidate(line, ("", ""))
                 if event is not None:
                     yield event
+
+    def _candidate(self, line: str, previous: tuple[str, str]) -> XidEvent | None:
+        """A line the pre-filter let through and no folded run took: its event, or None (nothing,
+        or folded after parsing)."""
+        repeats = self.repeats
+        event = self.parse(line, previous)
+        if event is None or (repeats is not None and repeats.fold(event, line, MAX_PARSED_CHARS)):
+            return None
+        return event
 
     def parse(self, line: str, previous: tuple[str, str] = ("", "")) -> XidEvent | None:
         """The event one candidate line reports, or None. A parser bug costs one line (counted),
@@ -152,6 +198,8 @@ class XidLineParser:
                 event = self._xid_event(raw, message, timestamp, seq)
             if event is None and "fallen off" in message and ("NVRM" in message or "GPU" in message):
                 event = self._fallen_off_event(raw, message, timestamp, seq, previous)
+            if event is None and _INIT_FAILED in message and "NVRM" in message:
+                event = self._init_failed_event(raw, message, timestamp, seq)
         except Exception as exc:
             self.tally.count("parse", f"parser error={exc!r} line={line[:300]!r}")
             return None
@@ -165,13 +213,19 @@ class XidLineParser:
     def _xid_event(self, raw: str, message: str, timestamp: float | None,
                    seq: int | None) -> XidEvent | None:
         match = _XID.search(message)
-        if match is None:
+        loose = match is None
+        if loose:
             if not ("NVRM: Xid" in message or "SXid" in message or "Xid (" in message):
                 return None  # "Xid" in some other word or message: not a report
             match = _XID_LOOSE.search(message)
             if match is None:
                 self.tally.count("parse", f"XID line without a readable XID number: {raw[:300]!r}")
                 return None
+        if len(match.group(3)) > MAX_XID_DIGITS:
+            self.tally.count("parse", f"XID number of {len(match.group(3))} digits (at most {MAX_XID_DIGITS}): "
+                                      f"malformed, nothing kept: {raw[:300]!r}")
+            return None
+        if loose:
             self.tally.count("parse", f"malformed XID line kept: {raw[:300]!r}")
         kind = "sxid" if match.group(1) else "xid"
         number = int(match.group(3))
@@ -217,10 +271,15 @@ class XidLineParser:
 
     def _fallen_off_event(self, raw: str, message: str, timestamp: float | None, seq: int | None,
                           previous: tuple[str, str]) -> XidEvent:
-        found = _PCI_IN_TEXT.search(message)
-        if found is None:  # dmesg split the probe-time report: the address is 1-2 lines back
+        """The GPU is named on the line itself (the driver's ``NVRM: GPU <id>:`` prefix, a
+        ``PCI:`` id, a full ``dddd:bb:dd.f``), or, for the last line of the probe-time report that
+        dmesg split, on that report's first line (``The NVIDIA GPU <id>``) one or two lines back.
+        A line of the driver's per-GPU form names its own GPU or none: the line before it may be
+        another GPU's report, and borrowing its address would blame the wrong GPU."""
+        found = _GPU_PREFIX.search(message) or _PCI_IN_TEXT.search(message)
+        if found is None and "NVRM: GPU " not in message:
             for earlier in reversed(previous):
-                if "NVRM" in earlier and (found := _PCI_IN_TEXT.search(earlier)) is not None:
+                if _PROBE_HEAD in earlier and (found := _PCI_IN_TEXT.search(earlier)) is not None:
                     if timestamp is None:  # the report's continuation line carries no stamp
                         timestamp = self._timestamp(text_prefix(earlier), earlier)
                     break
@@ -234,6 +293,23 @@ class XidLineParser:
             timestamp=self.now if timestamp is None else timestamp, source=SOURCE_NAME,
             kind="fallen_off_bus",
             uuid=uuid.group(0) if uuid else "", seq=seq, boot_id=self.boot_id if seq is not None else "",
+        )
+
+    def _init_failed_event(self, raw: str, message: str, timestamp: float | None,
+                           seq: int | None) -> XidEvent:
+        """``NVRM: GPU 0000:18:00.0: RmInitAdapter failed! (0x62:0xffff:1863)``: the driver could
+        not initialise that GPU. Older drivers print ``NVRM: RmInitAdapter failed! (...)`` with no
+        address (kept with pci_bus_id "", counted). The ``rm_init_adapter failed`` line the driver
+        adds is the same failure and is not reported again."""
+        found = _GPU_PREFIX.search(message)
+        pci = canonical_pci_bus_id(found.group(1)) if found else None
+        if pci is None:
+            self.tally.count("parse", f"RmInitAdapter line without a PCI id (kept with pci_bus_id \"\"): "
+                                      f"{raw[:300]!r}")
+        return XidEvent(
+            xid=0, pci_bus_id=pci or "", message=message, line=raw,
+            timestamp=self.now if timestamp is None else timestamp, source=SOURCE_NAME, kind=INIT_FAILED,
+            seq=seq, boot_id=self.boot_id if seq is not None else "",
         )
 
     def _timestamp(self, prefix: re.Match[str], raw: str) -> float | None:
