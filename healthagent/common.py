@@ -55,7 +55,12 @@ def atomic_write(path: Path, payload: bytes, *, mtime_ns: int | None = None, syn
     """Replace ``path`` with ``payload`` all at once: a temp file in the same folder, fsync, rename
     (and the folder fsynced, so the rename itself is durable). A reader sees the old file or the
     new one, never a part; a crash leaves no temp file behind. ``mtime_ns`` sets the new file's
-    modification time before the rename (a watcher that compares times sees every write)."""
+    modification time before the rename (a watcher that compares times sees every write).
+
+    A write or fsync that fails (EIO, ENOSPC) raises and leaves the old file as it was: a file
+    whose fsync failed is never renamed into place, and never fsynced again either (Linux reports
+    a lost write-back once, then marks the pages clean: a second fsync would claim success for
+    data that is gone). The temp file is dropped; the next write starts a new one."""
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)

@@ -25,6 +25,23 @@ from healthagent.kube_syntax import label_selector_problem, qualified_name_probl
 
 ENV_PREFIX = "HEALTHAGENT_"
 KUBE_MODES = ("in-cluster", "kubeconfig", "dry-run", "off")
+CONDITION_VOCABULARIES = ("healthagent", "eks")  # healthagent/effects/conditions.py
+TRAINING_INTAKE_MODES = ("token", "open", "off")
+TRAINING_PORT = 9412
+_NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
+
+
+# The largest value of each bounded number: past these a setting can only be a mistake, and a
+# mistaken one is dangerous (a source interval of 1e308 s never collects again, so its faults go
+# unseen; 10**20 expected GPUs make every node "missing" GPUs).
+MAXIMA: dict[str, float] = {
+    **dict.fromkeys(("nvml_interval_seconds", "efa_interval_seconds", "dcgm_interval_seconds"), 3600.0),
+    **dict.fromkeys(("dcgm_timeout_seconds", "source_timeout_seconds"), 600.0),
+    "kmsg_poll_seconds": 60.0, "state_save_interval_seconds": 86400.0,
+    "replace_noexecute_grace_seconds": 7 * 86400.0, "training_job_idle_seconds": 30 * 86400.0,
+    "expected_gpus": 1024, "expected_efa_devices": 1024, "kmsg_max_records_per_cycle": 10_000_000,
+    "training_max_jobs": 100_000,
+}
 
 
 class ConfigError(Exception):
@@ -39,7 +56,7 @@ def _setting(default: Any, help: str, fix: str = "") -> Any:
 class Settings:
     host_root: str = _setting("/", "where the host's /sys, /dev/kmsg and logs are read from")
     kernel_log: str | None = _setting(None, "read this kernel-log file instead of dev/kmsg")
-    listen: str = _setting("0.0.0.0:9410", "HOST:PORT for /metrics, /healthz, /readyz, /v1/training",
+    listen: str = _setting("0.0.0.0:9410", "HOST:PORT for /metrics, /healthz and /readyz (the agent's own port)",
                            "use HOST:PORT, e.g. 0.0.0.0:9410")
     node_name: str = _setting("", "this node's name (downward API NODE_NAME)",
                               "set NODE_NAME from the downward API (spec.nodeName)")
@@ -49,7 +66,7 @@ class Settings:
     nvml: bool = _setting(True, "read GPUs through NVML")
     nvml_interval_seconds: float = _setting(10.0, "seconds between NVML collections")
     efa_interval_seconds: float = _setting(10.0, "seconds between EFA sysfs collections")
-    kmsg_poll_seconds: float = _setting(0.1, "seconds between kernel-log reads when idle")
+    kmsg_poll_seconds: float = _setting(0.1, "seconds between kernel-log reads when its input cannot wake the loop")
     kmsg_max_records_per_cycle: int = _setting(50_000, "kernel-log records handled per read before yielding")
     dcgm_url: str | None = _setting(None, "dcgm-exporter /metrics URL; unset = off",
                                     "use http(s)://HOST[:PORT]/PATH, e.g. http://localhost:9400/metrics")
@@ -65,7 +82,14 @@ class Settings:
     taint_key: str = _setting("healthagent.io/unhealthy", "taint key the agent owns",
                               "use a key under healthagent.io/")
     replace_noexecute_grace_seconds: float = _setting(
-        120.0, "seconds between NoSchedule and NoExecute for replace_node (0 = at once)")
+        120.0, "seconds between NoSchedule and NoExecute for replace_node and reboot_node (0 = at once)")
+    reboot_node_noexecute: bool = _setting(
+        True, "reboot_node also gets NoExecute after the grace, as replace_node does (false: NoSchedule only)")
+    condition_vocabulary: str = _setting(
+        "healthagent", "node conditions: healthagent (GpuHealthy/EfaHealthy) or eks (AcceleratedHardwareReady/"
+                       "NetworkingReady, which Karpenter node repair and EKS node auto repair act on; only on "
+                       "clusters without the EKS node monitoring agent)",
+        "use one of: " + ", ".join(CONDITION_VOCABULARIES))
     budget_max_fraction: float = _setting(0.10, "largest share of GPU nodes that may carry the taint",
                                           "use a fraction between 0 and 1, e.g. 0.1")
     budget_max_nodes: int | None = _setting(None, "largest number of GPU nodes that may carry the taint")
@@ -73,6 +97,9 @@ class Settings:
                                          "label selector that counts the cluster's GPU nodes",
                                          "use the API's selector syntax, e.g. nvidia.com/gpu.present=true "
                                          "or node.kubernetes.io/instance-type in (p5.48xlarge)")
+    budget_namespace: str = _setting("", "namespace of the budget's Lease objects (empty: the agent's own)",
+                                     "use a namespace name (lower-case letters, digits and '-', at most "
+                                     "63), e.g. healthagent, or leave it empty")
     hyperpod_labels: bool = _setting(False, "also set sagemaker.amazonaws.com/node-health-status")
     training_max_jobs: int = _setting(64, "distinct training jobs tracked at once")
     training_job_idle_seconds: float = _setting(3600.0, "forget a training job idle this long")
@@ -82,16 +109,37 @@ class Settings:
              "(dcgm gets at least twice dcgm_timeout_seconds)")
     # repr=False: a secret must not reach a log line through a printed Settings.
     training_token: str = field(default="", repr=False, metadata={
-        "help": "shared token that POST /v1/training must present as 'Authorization: Bearer TOKEN' "
-                "(empty = no authentication); set HEALTHAGENT_TRAINING_TOKEN from a Secret",
+        "help": "the cluster's training key: job tokens are derived from it, and it opens every job "
+                "itself (empty = no key: with training_intake=token nothing is accepted); set "
+                "HEALTHAGENT_TRAINING_TOKEN from the Secret healthagent-training",
         "fix": "use printable ASCII without spaces, e.g. the output of 'openssl rand -hex 32'"})
+    training_intake: str = _setting(
+        "token", "who may post training reports: token (a job token or the training key), open "
+                 "(anyone who reaches the intake port; warned at start) or off (no intake)",
+        "use one of: token, open, off")
+    training_listen: str = _setting(
+        "", "HOST:PORT of the training intake (POST /v1/training), a listener of its own; empty = "
+            "the host of listen and port 9412 (port 0 when listen's port is 0)",
+        "use HOST:PORT, e.g. 0.0.0.0:9412")
     state_save_interval_seconds: float = _setting(
         60.0, "longest time between state-file saves when only counter histories or the kernel-log "
               "cursor moved (a new XID, finding or operator clear is saved at once)")
 
     def listen_address(self) -> tuple[str, int]:
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]") or "0.0.0.0", int(port)
+        return _host_port(self.listen)
+
+    def training_listen_address(self) -> tuple[str, int]:
+        """Where the intake listens: ``training_listen``, else listen's host on port 9412 (0, a
+        free port, when listen asks for one: a test or a second agent on one machine)."""
+        if self.training_listen:
+            return _host_port(self.training_listen)
+        host, port = self.listen_address()
+        return host, (TRAINING_PORT if port else 0)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}
@@ -137,7 +185,7 @@ def _convert(key: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
         return str(value)
     except ValueError:
         raise ConfigError(
-            f"{where}={value!r} is not a valid {kind}; {f.metadata['fix'] or f.metadata['help']}"
+            f"{where}={_shown_key(value)} is not a valid {kind}; {f.metadata['fix'] or f.metadata['help']}"
         ) from None
 
 
@@ -150,9 +198,19 @@ def _validate(s: Settings) -> None:
         raise bad("kube", f"{s.kube!r} is not a mode")
     if s.kube == "kubeconfig" and not s.kubeconfig:
         raise ConfigError("kubeconfig: kube=kubeconfig needs a file; set --kubeconfig PATH")
-    host, _, port = s.listen.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise bad("listen", f"{s.listen!r} is not HOST:PORT")
+    for key in ("listen", "training_listen"):
+        value = getattr(s, key)
+        host, _, port = value.rpartition(":")
+        if (value or key == "listen") and (not host or not port.isdigit() or not 0 <= int(port) < 65536):
+            raise bad(key, f"{value!r} is not HOST:PORT")
+    if s.training_intake not in TRAINING_INTAKE_MODES:
+        raise bad("training_intake", f"{s.training_intake!r} is not a mode")
+    if s.training_intake != "off" and s.listen_address()[1] and \
+            s.training_listen_address() == s.listen_address():
+        raise bad("training_listen", f"{s.training_listen or s.listen!r} is also listen's address: "
+                                     "the intake needs a port of its own")
+    if s.condition_vocabulary not in CONDITION_VOCABULARIES:
+        raise bad("condition_vocabulary", f"{s.condition_vocabulary!r} is not a vocabulary")
     if not 0.0 <= s.budget_max_fraction <= 1.0:
         raise bad("budget_max_fraction", f"{s.budget_max_fraction} is outside 0..1")
     if not s.taint_key.startswith("healthagent.io/"):
@@ -163,6 +221,8 @@ def _validate(s: Settings) -> None:
     problem = label_selector_problem(s.budget_node_selector)
     if problem:
         raise bad("budget_node_selector", f"{s.budget_node_selector!r} is not a label selector: {problem}")
+    if s.budget_namespace and not _NAMESPACE.fullmatch(s.budget_namespace):
+        raise bad("budget_namespace", f"{s.budget_namespace!r} is not a namespace name")
     if not s.state_file.strip():
         raise bad("state_file", "is empty")
     if os.path.isdir(s.state_file):
@@ -189,6 +249,10 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"{key}: must be at least 1")
     if s.training_job_idle_seconds <= 0:
         raise ConfigError("training_job_idle_seconds: must be greater than 0 seconds")
+    for key, limit in MAXIMA.items():
+        value = getattr(s, key)
+        if value is not None and value > limit:
+            raise ConfigError(f"{key}: {value:g} is out of range; use at most {limit:g}")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise bad("log_level", f"{s.log_level!r} is not a level")
     if not os.path.isdir(s.host_root):
@@ -211,23 +275,72 @@ def _http_url_problem(url: str) -> str | None:
     return None
 
 
-def read_yaml(path: str, what: str, flag: str, error: type[Exception]) -> Any:
+class DuplicateKey(yaml.constructor.ConstructorError):
+    """A mapping names one key twice; ``key`` and the two lines (1-based) say which and where."""
+
+    def __init__(self, key: Any, first_line: int, mark: Any) -> None:
+        super().__init__(None, None, f"key {key!r} appears twice", mark)
+        self.key, self.first_line, self.line = key, first_line, mark.line + 1
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping naming a key twice (PyYAML keeps the last one
+    silently: ``94: monitor`` below ``94: replace_node`` would quietly take XID 94 off the node).
+    Keys are compared as loaded, so ``94`` and ``0x5e`` are the same key; ``<<`` merges may still
+    be overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base constructor says so
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise DuplicateKey(key, first, key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+MAX_YAML_BYTES = 1024 * 1024  # a settings or policy file is a few lines; this bounds a wrong path
+
+
+def read_yaml(path: str, what: str, flag: str, error: type[Exception], *, unique_keys: bool = True,
+              max_bytes: int = MAX_YAML_BYTES) -> Any:
     """Parse a YAML file or raise ``error`` with one line naming the file, the problem and the fix.
 
     Shared by the settings file and the policy file so both fail the same way: an unreadable path
-    names the flag to fix, broken YAML names the line.
+    names the flag to fix, broken YAML names the line, a key given twice names the key and both
+    lines (``unique_keys``; which of two values was meant is not for the agent to guess), a file
+    nested past the parser's depth or over ``max_bytes`` says so.
     """
     try:
-        with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
+        with open(path, "rb") as fh:
+            raw = fh.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            raise error(f"{what}: {path!r} is larger than {max_bytes} bytes; fix {flag}")
+        return yaml.load(raw.decode("utf-8"), Loader=UniqueKeyLoader if unique_keys else yaml.SafeLoader)
     except OSError as exc:
         raise error(f"{what}: cannot read {path!r} ({exc.strerror}); fix {flag}") from None
     except UnicodeDecodeError as exc:
         raise error(f"{what}: {path!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except DuplicateKey as exc:
+        raise error(f"{what}: {path!r} names key {_shown_key(exc.key)} twice (lines {exc.first_line} and "
+                    f"{exc.line}); keep one") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
         raise error(f"{what}: {path!r} is not valid YAML{at}; fix the syntax") from None
+    except RecursionError:
+        raise error(f"{what}: {path!r} nests deeper than YAML can be read; fix the file") from None
+
+
+def _shown_key(key: Any) -> str:
+    """A key in a one-line message: quoted, control characters escaped, at most 64 characters."""
+    text = repr(key)
+    return text if len(text) <= 64 else text[:61] + "..."
 
 
 def _load_yaml(path: str) -> dict[str, Any]:
@@ -243,12 +356,15 @@ def load_settings(
     flags: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     config_file: str | None = None,
+    set_values: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Build Settings from (lowest first) defaults, YAML, env, flags. Raises ConfigError."""
+    """Build Settings from (lowest first) defaults, YAML, env, ``--set KEY=VALUE`` items, flags.
+    Raises ConfigError, naming each value as it was given (``--set key=...``, ``--flag=...``)."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     config_file = config_file or env.get(ENV_PREFIX + "CONFIG")
     if config_file:
+        written: dict[str, Any] = {}  # setting -> its key as written (state-file and state_file are one)
         for raw_key, raw in _load_yaml(config_file).items():
             key = str(raw_key).replace("-", "_")
             if key not in _FIELDS:
@@ -256,6 +372,10 @@ def load_settings(
                     f"config: unknown key {raw_key!r} in {config_file}; valid keys: "
                     + ", ".join(sorted(_FIELDS))
                 )
+            if key in written:
+                raise ConfigError(f"config: {written[key]!r} and {raw_key!r} in {config_file} both set {key}; "
+                                  "keep one")
+            written[key] = raw_key
             values[key] = _convert(key, _FIELDS[key], raw, f"{config_file}:")
     for key, f in _FIELDS.items():
         env_key = ENV_PREFIX + key.upper()
@@ -263,6 +383,10 @@ def load_settings(
             values[key] = _convert(env_key, f, env[env_key], "env")
     if "node_name" not in values and env.get("NODE_NAME"):
         values["node_name"] = env["NODE_NAME"]
+    for key, raw in (set_values or {}).items():
+        if key not in _FIELDS:
+            raise ConfigError(f"--set {key}: not a setting; valid keys: " + ", ".join(sorted(_FIELDS)))
+        values[key] = _convert(key, _FIELDS[key], raw, "--set")
     for key, raw in (flags or {}).items():
         if raw is None:
             continue

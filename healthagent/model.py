@@ -92,6 +92,9 @@ def natural_key(name: str) -> tuple:
 # without an XID number; sources report it as ``XidEvent(kind="fallen_off_bus", xid=79)`` and
 # policy counts it under this XID.
 FALLEN_OFF_BUS_XID = 79
+# The driver logs "RmInitAdapter failed" when it cannot initialise a GPU; sources report it as
+# ``XidEvent(kind=INIT_FAILED, xid=0)`` and policy judges it against the GPUs NVML lists.
+INIT_FAILED = "init_failed"
 
 
 @dataclass(frozen=True)
@@ -157,11 +160,15 @@ class GpuSample:
 
 @dataclass(frozen=True)
 class XidEvent:
-    """One XID (or NVSwitch SXid, or fallen-off-the-bus) report, from the kernel log or NVML.
+    """One XID (or NVSwitch SXid, fallen-off-the-bus, failed-initialisation) report, from the
+    kernel log, NVML or dcgm-exporter.
 
-    ``kind`` is "xid", "sxid" or "fallen_off_bus". ``pci_bus_id`` is canonical or "" when the
-    source did not say (NVML events carry the device instead). ``seq``/``boot_id`` identify a
-    /dev/kmsg record so a restart neither repeats nor skips it.
+    ``kind`` is "xid", "sxid", "fallen_off_bus" or "init_failed" (the driver could not initialise
+    the GPU: ``RmInitAdapter failed``; ``xid`` is 0, it is no XID). ``pci_bus_id`` is canonical or
+    "" when the source did not say (NVML events carry the device instead). ``seq``/``boot_id``
+    identify a /dev/kmsg record so a restart neither repeats nor skips it. ``repeats`` is how many
+    identical reports (same kind, XID and GPU) this one stands for: a source folds a flood of one
+    XID into a few events and keeps the count here, so counting never costs one event per line.
     """
 
     xid: int
@@ -183,6 +190,7 @@ class XidEvent:
     # classifier counts it as history and never opens a finding from it, because that boot's
     # faults were dealt with by the reboot (or the repair) that followed.
     previous_boot: bool = False
+    repeats: int = 1
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,10 @@ class SourceHealth:
     # Cumulative error counts by kind ("parse", "unreadable", "timeout", "http_5xx", "lost", ...).
     errors: Mapping[str, int] = field(default_factory=dict)
     duration_seconds: float = 0.0
+    # Parts this source knows are there but could not see (an EFA device whose sysfs answers
+    # EACCES or EIO, a GPU dcgm-exporter lists without any health field): *unobserved*, which is
+    # neither missing nor healthy, and never leads to a node action.
+    unobserved: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -230,8 +242,12 @@ class Collection:
     expected_efa_devices: int | None = None
     # A fact about the node object: the last operator clear the effects saw on it (the
     # ``healthagent.io/clear`` token, or "taint-removed-<time>" for the agent's taint removed by
-    # hand). Policy forgets every open finding once per new token.
+    # hand). Policy forgets the open findings once per new token.
     operator_clear: str = ""
+    # Which verdict that clear acted on (``Verdict.observation``): policy closes only what was
+    # open then, so a fault observed after the operator cleared is a new finding, never wiped
+    # with the old. None = unknown (every open finding is closed).
+    operator_clear_as_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -280,14 +296,18 @@ class Verdict:
     # "gpu" (no GPU source up while GPUs are expected or a GPU source is configured), "efa" (the
     # EFA source is down), "kernel_log" (the kernel-log source is down). Sorted, no repeats.
     unobserved: tuple[str, ...] = ()
+    # The classifier's observation that produced this verdict (a count that only grows, kept in
+    # the state file): an operator's clear names the verdict it acted on by this number, not by a
+    # time, so a wall clock stepped back or forward cannot move what the clear covers.
+    observation: int = 0
 
     @classmethod
     def of(cls, findings: "tuple[Finding, ...] | list[Finding]", timestamp: float,
-           unobserved: "tuple[str, ...] | list[str]" = ()) -> "Verdict":
+           unobserved: "tuple[str, ...] | list[str]" = (), observation: int = 0) -> "Verdict":
         ordered = tuple(sorted(findings, key=lambda f: (-f.action.severity, f.code, f.subject)))
         action = ordered[0].action if ordered else Action.NONE
         return cls(action=action, findings=ordered, timestamp=timestamp,
-                   unobserved=tuple(sorted(set(unobserved))))
+                   unobserved=tuple(sorted(set(unobserved))), observation=observation)
 
     @property
     def exit_code(self) -> int:
@@ -350,7 +370,7 @@ class KubeStatus:
     mode: str = "dry-run"  # in-cluster | kubeconfig | dry-run | off
     reachable: bool = False
     taint_effect: str = ""  # "" | "NoSchedule" | "NoExecute": the agent's taint now on the node
-    budget_blocked: bool = False  # the verdict wants a taint the budget is holding back
+    budget_blocked: bool = False  # held at NoSchedule: the budget has no slot for the disruptive step
     budget_blocked_total: int = 0
     # Cumulative API writes by (kind, result): kind node|node_status|event, result ok|conflict|error.
     writes: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -359,6 +379,9 @@ class KubeStatus:
     # "taint-removed-<time>" when the agent's taint was removed by hand). When it changes, the
     # loop calls the classifier's ``clear()`` once and remembers the token in its state.
     clear_token: str = ""
+    # ``Verdict.observation`` of the verdict that clear acted on (None: unknown): the loop hands
+    # it to policy with the token (``Collection.operator_clear_as_of``).
+    clear_as_of: int | None = None
     # The watch on the agent's own node is live (its copy of the node is as fresh as a read).
     # False in dry-run and while the watch is down (the effects then read the node on a timer).
     watching: bool = False

@@ -137,3 +137,34 @@ def test_valid_values_are_accepted(settings):
     s = load_settings(env={}, flags=settings)
     for key, value in settings.items():
         assert str(getattr(s, key) or "") == str(float(value) if key.endswith("_seconds") else value)
+
+
+@pytest.mark.parametrize("text,named", [
+    ("state_file: /a\nstate_file: /b\n", "names key 'state_file' twice (lines 1 and 2)"),
+    ("state-file: /a\nstate_file: /b\n", "'state-file' and 'state_file' in"),
+])
+def test_a_setting_given_twice_in_the_file_is_an_error_naming_both(tmp_path, text, named):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={}, config_file=str(cfg))
+    assert named in str(err.value) and "keep one" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("nvml_interval_seconds", "1e308", "nvml_interval_seconds: 1e+308 is out of range; use at most 3600"),
+    ("efa_interval_seconds", "86400", "use at most 3600"),
+    ("expected_gpus", "100000000000000000000", "expected_gpus: 1e+20 is out of range; use at most 1024"),
+    ("replace_noexecute_grace_seconds", "1e9", "use at most 604800"),
+    ("kmsg_poll_seconds", "3600", "use at most 60"),
+])
+def test_numbers_past_any_meaning_are_refused(key, value, needle):
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={f"HEALTHAGENT_{key.upper()}": value})
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_value_of_thousands_of_digits_is_one_short_line():
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"HEALTHAGENT_EXPECTED_GPUS": "9" * 5000})
+    assert "HEALTHAGENT_EXPECTED_GPUS" in str(err.value) and len(str(err.value)) < 300

@@ -127,3 +127,23 @@ def test_state_file_exists_after_the_first_cycle_even_when_healthy(setup):
     assert not path.exists()
     agent.cycle()
     assert {"classifier", "boot_id"} <= set(saved(path))
+
+
+def test_a_wall_clock_set_back_does_not_hold_the_periodic_save_for_the_jump(setup):
+    """The interval is measured on the loop's clock; set back three hours, the held-back save
+    is made at once (a negative interval is no reason to wait three hours), then paced again."""
+    agent, node, clock, path = setup
+    agent.cycle()
+    append_noise(node)
+    clock.now += 1.0
+    agent.cycle()
+    assert saved(path)["kmsg_cursor"] != agent.event_sources[0].cursor.to_dict()  # held back
+    clock.now -= 3 * 3600.0
+    agent.cycle()
+    assert saved(path)["kmsg_cursor"] == agent.event_sources[0].cursor.to_dict()
+    saves = agent.state_saves
+    for _ in range(5):
+        clock.now += 1.0
+        append_noise(node)
+        agent.cycle()
+    assert agent.state_saves == saves  # paced by the interval again

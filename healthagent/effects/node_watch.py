@@ -81,7 +81,7 @@ def parse_event(line: str) -> tuple[str, dict]:
     """One watch line -> (type, object); ``BadEvent`` for anything else."""
     try:
         event = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's limit
         raise BadEvent(f"not JSON: {line[:80]!r}") from None
     if not isinstance(event, dict) or not isinstance(event.get("type"), str) \
             or not isinstance(event.get("object"), dict):

@@ -10,13 +10,24 @@ Why a file and not the API server: the agent must keep its decisions while the A
 and there is no database (the node object and this file are the record). Why never raise: a health
 agent that dies because its state disk is full or read-only is worse than one that keeps detecting
 and tainting with what it has in memory; the failure is counted (``errors``) and logged instead.
+
+The file is input like any other: what is loaded is only what this agent could have written. A
+file that is not a regular file (a FIFO would block the start, a device would never end), larger
+than ``max_bytes`` (the writer refuses those, so it was never ours, and keeping it would make every
+later save fail), nested deeper than the state ever is, or not a JSON object is moved aside
+(``<name>.corrupt``), counted and replaced by a clean start. A disk that fails (EIO on read, EIO or
+ENOSPC on write, a failing fsync, an fsync that hangs) is counted and logged at most once a
+minute per kind; the agent goes on detecting and acting with its state in memory, and the next
+save tries again.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,6 +37,18 @@ from healthagent.common import ErrorTally, atomic_write
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+MAX_DEPTH = 64  # the state nests about ten deep; far deeper is garbage (and would exhaust the parser)
+# How long a caller waits for one write. A healthy disk takes milliseconds; a dying one can hang
+# an fsync for minutes, and the loop must go on detecting and the effects acting meanwhile.
+WRITE_WAIT_SECONDS = 2.0
+
+
+class Corrupt(ValueError):
+    """The state file is not something this agent wrote; ``kind`` is the error kind it counts as."""
+
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(why)
+        self.kind = kind
 
 
 class StateStore:
@@ -37,13 +60,21 @@ class StateStore:
     and writes it with temp file + fsync + rename + directory fsync, and skips the disk when
     nothing changed since the last write (a steady state costs no I/O). Each value is serialised
     once per ``put``: no defensive copy by a JSON round trip, no second serialisation at ``flush``.
-    ``errors`` counts problems by kind: ``corrupt``, ``unreadable``, ``unwritable``,
-    ``too_large``, ``not_json``.
+    A write that takes longer than ``write_wait_seconds`` goes on on its own thread while
+    ``flush`` returns False; later flushes return False at once until it ends (one write at a time,
+    so an older state never lands over a newer one).
+
+    ``errors`` counts problems by kind: ``corrupt`` (moved aside: not a JSON object, nested too
+    deep, not a regular file), ``too_large`` (at load: moved aside; at flush: not written),
+    ``unreadable``, ``unwritable``, ``slow`` (a write not done in time), ``not_json``.
     """
 
-    def __init__(self, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
+                 write_wait_seconds: float = WRITE_WAIT_SECONDS) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
+        self.write_wait_seconds = write_wait_seconds
+        self._writing: threading.Thread | None = None  # a write that outlived write_wait_seconds
         self._data: dict[str, str] = {}  # key -> its value as JSON text (_encode)
         self._lock = threading.Lock()  # guards _data
         self._flush_lock = threading.Lock()  # orders snapshot + rename between threads
@@ -55,42 +86,65 @@ class StateStore:
         return self._tally.snapshot()
 
     def load(self) -> dict[str, Any]:
-        """Read the file; a missing file is an empty state, a corrupt one is moved aside.
+        """Read the file; a missing file is an empty state, an unreadable one is counted, one this
+        agent cannot have written is moved aside (see the module docstring).
 
         Returns a copy of what was loaded. Never raises.
         """
+        data: dict[str, Any] = {}
+        raw = None
         try:
-            raw = self.path.read_bytes()
+            raw = self._read()
+            data = _parse(raw)
+            encoded = {str(key): _encode(value) for key, value in data.items()}
         except FileNotFoundError:
-            data: dict[str, Any] = {}
-            raw = None
+            encoded, raw = {}, None
+        except Corrupt as exc:
+            self._set_aside(exc.kind, str(exc))
+            data, encoded, raw = {}, {}, None
         except OSError as exc:
-            self._tally.count("unreadable", f"path={self.path} cannot read ({exc.strerror}); starting empty")
-            data, raw = {}, None
-        else:
-            data = self._parse(raw)
-        encoded = {str(key): _encode(value) for key, value in data.items()}
+            self._tally.count("unreadable", f"path={self.path} cannot read ({exc.strerror or exc}); starting empty")
+            data, encoded, raw = {}, {}, None
         with self._lock:
             self._data = encoded
             self._last_written = raw if data else None
         return data
 
-    def _parse(self, raw: bytes) -> dict[str, Any]:
+    def _read(self) -> bytes:
+        """The file's bytes: at most ``max_bytes`` + 1 of them, from a regular file only. Opened
+        without blocking, so a FIFO at the path cannot hold the agent's start."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            data = json.loads(raw.decode("utf-8"))
-            if not isinstance(data, dict):
-                raise ValueError("top level is not an object")
-            return data
-        except (ValueError, UnicodeDecodeError) as exc:
-            aside = self.path.with_name(self.path.name + ".corrupt")
-            try:
-                os.replace(self.path, aside)
-                where = f"moved to {aside}"
-            except OSError as move_exc:
-                where = f"could not move aside ({move_exc.strerror})"
-            self._tally.count("corrupt", f"path={self.path} is not a JSON object ({exc}); {where}; "
-                                         "starting empty")
-            return {}
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):  # left alone: a person made it, the config check names it
+                raise IsADirectoryError(errno.EISDIR, "is a directory")
+            if not stat.S_ISREG(info.st_mode):
+                raise Corrupt("corrupt", "is not a regular file")
+            if info.st_size > self.max_bytes:
+                raise Corrupt("too_large", f"is {info.st_size} bytes, over {self.max_bytes}")
+            chunks, size = [], 0
+            while size <= self.max_bytes:
+                chunk = os.read(fd, self.max_bytes + 1 - size)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        finally:
+            os.close(fd)
+        if size > self.max_bytes:  # it grew while being read
+            raise Corrupt("too_large", f"is over {self.max_bytes} bytes")
+        return b"".join(chunks)
+
+    def _set_aside(self, kind: str, why: str) -> None:
+        """Move the file this agent did not write to ``<name>.corrupt`` (kept for a person to
+        look at; the next save writes a new file) and count it."""
+        aside = self.path.with_name(self.path.name + ".corrupt")
+        try:
+            os.replace(self.path, aside)
+            where = f"moved to {aside}"
+        except OSError as exc:
+            where = f"could not move aside ({exc.strerror or exc})"
+        self._tally.count(kind, f"path={self.path} {why}; {where}; starting empty")
 
     def get(self, key: str, default: Any = None) -> Any:
         with self._lock:
@@ -105,7 +159,7 @@ class StateStore:
         """
         try:
             stored = _encode(value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             self._tally.count("not_json", f"key={key} value is not JSON ({exc}); kept the old value")
             return
         with self._lock:
@@ -130,17 +184,64 @@ class StateStore:
                 self._tally.count("too_large", f"path={self.path} state is {len(payload)} bytes, over "
                                                f"{self.max_bytes}; not written")
                 return False
-            try:
-                self._write(payload)
-            except OSError as exc:
-                self._tally.count("unwritable", f"path={self.path} cannot write ({exc.strerror or exc}); "
-                                                "keeping state in memory")
+            if self._writing is not None and self._writing.is_alive():
+                self._tally.count("slow", f"path={self.path} the previous write has not finished; keeping "
+                                          "state in memory")
                 return False
-            self._last_written = payload
-            return True
+            done: list[bool] = []
+            writer = threading.Thread(target=self._write_in_background, args=(payload, done),
+                                      name="healthagent-state-write", daemon=True)
+            writer.start()
+            writer.join(self.write_wait_seconds)
+            if writer.is_alive():
+                self._writing = writer
+                self._tally.count("slow", f"path={self.path} write not done after {self.write_wait_seconds:g} s "
+                                          "(a failing disk?); going on with state in memory")
+                return False
+            return bool(done and done[0])
+
+    def _write_in_background(self, payload: bytes, done: list[bool]) -> None:
+        """One write, on its own thread: a disk that hangs (a dying NVMe can take minutes to fail
+        an fsync) holds this thread, never the loop or the effects."""
+        try:
+            self._write(payload)
+        except OSError as exc:
+            self._tally.count("unwritable", f"path={self.path} cannot write ({exc.strerror or exc}); "
+                                            "keeping state in memory")
+            done.append(False)
+            return
+        self._last_written = payload  # one write at a time: never an older payload over a newer
+        done.append(True)
 
     def _write(self, payload: bytes) -> None:
         atomic_write(self.path, payload)
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    """The file's one JSON object; ``Corrupt`` for anything else."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise Corrupt("corrupt", f"is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's limit
+        raise Corrupt("corrupt", f"is not a JSON object ({str(exc)[:120]})") from None
+    if not isinstance(data, dict):
+        raise Corrupt("corrupt", "is not a JSON object (top level is not an object)")
+    if _deeper_than(data, MAX_DEPTH):  # the parser's limit is not ours: every reader after it recurses
+        raise Corrupt("corrupt", f"nests deeper than {MAX_DEPTH} levels")
+    return data
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Does ``value`` nest more than ``limit`` containers deep? Walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def _encode(value: Any) -> str:

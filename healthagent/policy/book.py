@@ -14,18 +14,25 @@ Whatever the kind, persistence is by class: a ``reboot_node`` finding stays unti
 changes (then it clears if the checks pass, and a condition that comes straight back is escalated
 to ``replace_node``: a reboot did not fix it); a ``replace_node`` finding stays until an operator
 clears it or the GPU it names is physically replaced.
+
+An operator's clear closes what was open when the operator cleared, nothing later: every entry
+knows the observation that opened it and the last one that refreshed it (``opened``,
+``touched``), and the clear names the observation it acted on. A finding opened after it is
+kept; an event that recurred after it (an XID joining the incident the operator just cleared)
+is reopened as a new finding with a new key, so the node is acted on again.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from healthagent.model import Action, Finding
 from healthagent.policy.settings import Policy
 
 EVENT = "event"
 CONDITION = "condition"
+MAX_TAIL = 64  # an incident's latest joins kept for an operator's clear (see Incident.tail)
 
 
 @dataclass(frozen=True)
@@ -75,27 +82,58 @@ class IncidentMember:
 @dataclass
 class Incident:
     """An XID incident: its members by XID number, who reported them, and its time span.
-    ``changed`` marks an incident whose words must be written again (not saved)."""
+    ``changed`` marks an incident whose words must be written again (not saved).
+
+    ``tail`` keeps the latest joins, one item per (observation, XID, reporter, action):
+    ``[observation, xid, count, earliest, latest, source, action]``, at most ``MAX_TAIL`` (a flood
+    of one XID in one observation is one item; the why of an action is the member's). An
+    operator's clear reads it to keep what joined after the clear; ``tail_floor`` is the newest
+    observation whose joins were dropped from it (0: nothing dropped), so the clear knows when
+    the tail no longer covers its cut-off.
+    """
 
     earliest: float
     latest: float
     members: dict[str, IncidentMember] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
     changed: bool = False
+    tail: list[list] = field(default_factory=list)
+    tail_floor: int = 0
+
+    def note(self, observation: int, xid: str, t: float, source: str, action: str, count: int = 1) -> None:
+        """Remember a join (``count`` reports of one XID) in the tail."""
+        last = self.tail[-1] if self.tail else None
+        if last is not None and (last[0], last[1], last[5], last[6]) == (observation, xid, source, action):
+            last[2] += count
+            last[3], last[4] = min(last[3], t), max(last[4], t)
+            return
+        self.tail.append([observation, xid, count, t, t, source, action])
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self.tail) > MAX_TAIL:
+            self.tail_floor = max(self.tail_floor, self.tail.pop(0)[0])
 
     def to_dict(self) -> dict[str, Any]:
         return {"members": {x: asdict(m) for x, m in self.members.items()}, "sources": list(self.sources),
-                "earliest": self.earliest, "latest": self.latest}
+                "earliest": self.earliest, "latest": self.latest, "tail": [list(i) for i in self.tail],
+                "tail_floor": self.tail_floor}
 
     @classmethod
     def from_dict(cls, raw: Any) -> "Incident | None":
-        """As saved, checked field by field (garbage raises)."""
+        """As saved, checked field by field (garbage raises). A state without the tail (an older
+        agent's) restores an empty one: a clear then closes the whole incident, as that agent did."""
         if raw is None:
             return None
         members = {str(int(x)): IncidentMember(int(m["count"]), Action.parse(m["action"]).value, str(m.get("why", "")))
                    for x, m in raw["members"].items()}
-        return cls(earliest=float(raw["earliest"]), latest=float(raw["latest"]), members=members,
-                   sources=[str(src) for src in raw["sources"]])
+        tail = [[int(i[0]), str(int(i[1])), int(i[2]), float(i[3]), float(i[4]), str(i[5]),
+                 Action.parse(i[6]).value] for i in raw.get("tail", ())]
+        incident = cls(earliest=float(raw["earliest"]), latest=float(raw["latest"]), members=members,
+                       sources=[str(src) for src in raw["sources"]], tail=tail,
+                       tail_floor=int(raw.get("tail_floor", 0)))
+        incident._trim()  # a longer tail (another version's) keeps its newest items, floor raised
+        return incident
 
 
 @dataclass
@@ -116,6 +154,8 @@ class Entry:
     xids: tuple[int, ...] = ()
     signature: str = ""
     incident: Incident | None = None  # an XID incident (incidents.py)
+    opened: int = 0  # the observation that raised it (FindingBook.observation)
+    touched: int = 0  # the last observation that raised or refreshed it
 
     @property
     def sticky(self) -> bool:
@@ -150,7 +190,7 @@ class Entry:
             first_seen=float(d["first_seen"]), last_seen=float(d["last_seen"]), kind=str(d["kind"]),
             quiet_seconds=float(d["quiet_seconds"]), count=int(d["count"]),
             xids=tuple(int(x) for x in d.get("xids", ())), signature=str(d.get("signature", "")),
-            incident=incident,
+            incident=incident, opened=int(d.get("opened", 0)), touched=int(d.get("touched", 0)),
         )
 
 
@@ -161,6 +201,7 @@ class FindingBook:
     streaks: dict[str, list[int]] = field(default_factory=dict)  # condition key -> [bad, good]
     acks: dict[str, str] = field(default_factory=dict)  # condition key -> cleared signature
     survivors: set[str] = field(default_factory=set)  # reboot-class conditions open at the last reboot
+    observation: int = 0  # the classifier's current observation (set by it; stamps opened/touched)
 
     # -- signals ----------------------------------------------------------------------------------
 
@@ -182,6 +223,7 @@ class FindingBook:
         entry.last_seen = max(entry.last_seen, t)
         entry.count += signal.count
         entry.quiet_seconds = signal.quiet_seconds
+        entry.touched = self.observation
 
     def _condition(self, signal: Signal, now: float) -> None:
         key = signal.key
@@ -213,13 +255,12 @@ class FindingBook:
         entry.count = streak[0]
         self.entries[key] = entry
 
-    @staticmethod
-    def _new_entry(signal: Signal, t: float) -> Entry:
+    def _new_entry(self, signal: Signal, t: float) -> Entry:
         return Entry(
             code=signal.code, action=signal.action, summary=signal.summary, evidence=signal.evidence,
             next_steps=signal.next_steps, where=signal.where, first_seen=t, last_seen=t,
             kind=signal.kind, quiet_seconds=signal.quiet_seconds, count=signal.count,
-            signature=signal.signature,
+            signature=signal.signature, opened=self.observation, touched=self.observation,
         )
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -256,17 +297,36 @@ class FindingBook:
         self.survivors = {k for k in self.survivors if not k.endswith(suffix)}
         return len(keys)
 
-    def clear(self, now: float) -> int:
-        """An operator's clear: close every open finding; conditions stay quiet until they change."""
+    def clear(self, now: float, as_of: int | None = None,
+              reopen_incident: "Callable[[Entry, int], Entry | None] | None" = None) -> int:
+        """An operator's clear of what was open at observation ``as_of`` (None: everything open
+        now); returns how many findings it closed. Conditions stay quiet until they change.
+
+        A finding opened after ``as_of`` stays. An event refreshed after it is closed and comes
+        back as a new finding with a key of its own (an XID incident: ``reopen_incident(entry,
+        as_of)``, the XIDs that joined after the clear; any other event: its latest recurrence),
+        so the effects, which keep the cleared keys, see a new fault and act on it.
+        """
         self.expire(now)
-        count = len(self.entries)
+        kept: dict[str, Entry] = {}
+        closed = 0
         for key, entry in self.entries.items():
+            if as_of is not None and entry.opened > as_of:
+                kept[key] = entry
+                continue
+            closed += 1
             if entry.kind == CONDITION:
                 self.acks[key] = entry.signature
-        self.entries.clear()
-        self.streaks.clear()
+            elif as_of is not None and entry.touched > as_of:
+                fresh = (reopen_incident(entry, as_of) if entry.incident is not None and reopen_incident
+                         else _recurrence(entry))
+                if fresh is not None:
+                    fresh.first_seen = _distinct(fresh.first_seen, entry.first_seen)
+                    kept[_free_key(key, entry, fresh, kept, self.entries)] = fresh
+        self.entries = kept
+        self.streaks = {k: v for k, v in self.streaks.items() if k in kept}
         self.survivors.clear()
-        return count
+        return closed
 
     def fill_uuid(self, pci_bus_id: str, uuid: str) -> None:
         """A finding raised before its GPU's UUID was known learns it (replacement needs it)."""
@@ -292,14 +352,69 @@ class FindingBook:
         }
 
     @classmethod
-    def from_dict(cls, policy: Policy, d: dict[str, Any]) -> "FindingBook":
+    def from_dict(cls, policy: Policy, d: dict[str, Any], problems: list[str] | None = None) -> "FindingBook":
+        """As ``to_dict`` wrote it, item by item: an item that cannot be read (garbage, a field an
+        agent of another version wrote differently) is left out and described in ``problems``;
+        the others are kept, so one bad entry cannot take the open findings beside it along."""
+        problems = [] if problems is None else problems
         return cls(
             policy=policy,
-            entries={str(k): Entry.from_dict(v) for k, v in d.get("entries", {}).items()},
-            streaks={str(k): [int(v[0]), int(v[1])] for k, v in d.get("streaks", {}).items()},
-            acks={str(k): str(v) for k, v in d.get("acks", {}).items()},
-            survivors={str(k) for k in d.get("survivors", [])},
+            entries=_items(d.get("entries", {}), Entry.from_dict, problems),
+            streaks=_items(d.get("streaks", {}), lambda v: [int(v[0]), int(v[1])], problems),
+            acks=_items(d.get("acks", {}), as_text, problems),
+            survivors=set(_items(_listed(d.get("survivors", []), problems), as_text, problems)),
         )
+
+
+def _listed(raw: Any, problems: list[str]) -> dict[str, Any]:
+    if not isinstance(raw, list):
+        problems.append(f"book: {type(raw).__name__} where a list belongs")
+        return {}
+    return {str(item): item for item in raw}
+
+
+def _items(raw: Any, read: Callable[[Any], Any], problems: list[str]) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        problems.append(f"book: {type(raw).__name__} where a mapping belongs")
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            out[str(key)] = read(value)
+        except Exception as exc:  # this item is dropped; the rest of the book is kept
+            problems.append(f"book item {str(key)[:60]}: {exc!r}"[:120])
+    return out
+
+
+def as_text(value: Any) -> str:
+    """``value`` when it is text; TypeError otherwise (a saved field is never turned into text)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{type(value).__name__} is not text")
+    return value
+
+
+def _recurrence(entry: Entry) -> Entry:
+    """An event that recurred after an operator's clear, as a new finding: it starts at its latest
+    recurrence (the only one known to be after the clear)."""
+    return replace(entry, first_seen=entry.last_seen, count=1, opened=entry.touched)
+
+
+def _distinct(t: float, old_first_seen: float) -> float:
+    """A reopened finding's first_seen: ``t``, moved on a millisecond when the old finding's key
+    (first_seen to the millisecond) would come back: the effects keep that key as cleared."""
+    return t if f"{t:.3f}" != f"{old_first_seen:.3f}" else t + 0.001
+
+
+def _free_key(key: str, old: Entry, fresh: Entry, *tables: dict[str, Entry]) -> str:
+    """The book key of a reopened entry: an XID incident's key carries its first_seen."""
+    if old.incident is None:
+        return key
+    slot = key.rsplit("/", 1)[0]
+    first = fresh.first_seen
+    while any(f"{slot}/{first:.3f}" in table for table in tables):
+        first += 0.001
+    fresh.first_seen = first
+    return f"{slot}/{first:.3f}"
 
 
 def _escalated(signal: Signal) -> Signal:

@@ -8,8 +8,10 @@ test. Its memory (open findings, XID incidents, counter histories) is exported w
 restart neither forgets an open finding nor counts an XID twice.
 
 The order of one observation:
-0. an operator clear the node shows with a new token (``Collection.operator_clear``) forgets every
-   open finding, once per token (the token is part of the saved state);
+0. an operator clear the node shows with a new token (``Collection.operator_clear``) forgets the
+   findings that were open when the operator cleared, once per token (the token is part of the
+   saved state). The clear names the verdict it acted on (``operator_clear_as_of``, a
+   ``Verdict.observation``): whatever was observed after it is a new fault and stays;
 1. a new boot id (a reboot) closes every finding below replace_node;
 2. a new UUID at a known PCI id (the GPU was physically replaced) closes that GPU's findings;
 3. XIDs join incidents (those of an earlier boot are only counted); GPU and EFA samples run their
@@ -24,8 +26,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from healthagent.model import Collection, GpuSample, Verdict, XidEvent
-from healthagent.policy.book import FindingBook, Signal
+from healthagent.model import INIT_FAILED, Collection, GpuSample, Verdict, XidEvent
+from healthagent.policy.book import FindingBook, Signal, as_text
 from healthagent.policy.catalog import Catalog
 from healthagent.policy.counters import finite
 from healthagent.policy.explain import explain
@@ -68,6 +70,7 @@ class Classifier:
         self.restore_errors = 0
         self.internal_errors = 0
         self.earlier_boot_total = 0  # XIDs from earlier boots seen since start (logged, not judged)
+        self.observation = 0  # observations since the state began (saved): names a verdict
         self._reset()
 
     def _reset(self) -> None:
@@ -78,7 +81,7 @@ class Classifier:
         self.known_gpus: dict[str, str] = {}  # PCI id -> "GPU 3 (0000:a8:00.0)", seen since the last clear
         self.known_efa: dict[str, str] = {}
         self.boot_id = ""
-        self.clear_token = ""  # the last operator clear acted on
+        self.clear_token: str | None = ""  # the last operator clear acted on (None: unknown)
         self.now = 0.0
         self.inventory_time: float | None = None
 
@@ -87,10 +90,16 @@ class Classifier:
     def observe(self, collection: Collection) -> Assessment:
         now = float(collection.timestamp) if finite(collection.timestamp) else self.now
         self.now = now
+        self.observation += 1
+        self.book.observation = self.observation
         cleared = 0
         token = collection.operator_clear
-        if token and token != self.clear_token:
-            cleared = self.clear(now, f"operator clear {token}")
+        if token and self.clear_token is None:  # the saved token was unreadable: never clear twice
+            log.warning("operator clear token=%s adopted without clearing (the saved token was unreadable)",
+                        token)
+            self.clear_token = token
+        elif token and token != self.clear_token:
+            cleared = self.clear(now, f"operator clear {token}", collection.operator_clear_as_of)
             self.clear_token = token
         self._guard("boot", self._check_boot, collection)
         self._guard("replaced", self._check_replaced, collection.gpus)
@@ -100,7 +109,8 @@ class Classifier:
             self.earlier_boot_total += len(earlier)
             log.info("xids_from_earlier_boots=%d total=%d not judged (logged before this boot)",
                      len(earlier), self.earlier_boot_total)
-        current = tuple(x for x in collection.xids if not x.previous_boot)
+        current = tuple(x for x in collection.xids if not x.previous_boot and x.kind != INIT_FAILED)
+        failed_init = tuple(x for x in collection.xids if not x.previous_boot and x.kind == INIT_FAILED)
         arranged = self._guard("xids", self.incidents.arrange, current, collection.gpus, now) or []
         for event, t, where in arranged:  # one by one: a bad event must not take its batch with it
             try:
@@ -111,13 +121,15 @@ class Classifier:
         self._guard("xids", self.incidents.describe, self.book)
         for gpu in collection.gpus:
             self._guard("gpu", self._apply, self.gpu_rules.evaluate(gpu, self._gpu_track(gpu), now), now)
+        if failed_init:  # judged against the GPUs the GPU sources list (rules_gpu.init_failures)
+            self._guard("gpu", self._apply, self.gpu_rules.init_failures(failed_init, collection), now)
         for sample in collection.efa:
             self._guard("efa", self._apply, self.efa_rules.evaluate(sample, self._efa_track(sample), now), now)
         if self._inventory_is_new(collection, now):
             self._guard("inventory", self._apply, inventory(collection, self.known_gpus, self.known_efa), now)
         blind = self._guard("unobserved", unobserved, collection) or ()
-        return Assessment(Verdict.of(self.book.findings(now), now, unobserved=blind), tuple(counted), earlier,
-                          cleared)
+        verdict = Verdict.of(self.book.findings(now), now, unobserved=blind, observation=self.observation)
+        return Assessment(verdict, tuple(counted), earlier, cleared)
 
     def _apply(self, signals: Iterable[Signal], now: float) -> None:
         for signal in signals:
@@ -187,11 +199,15 @@ class Classifier:
 
     # -- operator ---------------------------------------------------------------------------------
 
-    def clear(self, now: float, reason: str) -> int:
-        """Close every open finding (replace-class too). Conditions that are still true (a sticky
-        hardware flag) stay quiet until they change; new XIDs start new incidents; the inventory
-        is learned again."""
-        closed = self.book.clear(now)
+    def clear(self, now: float, reason: str, as_of: int | None = None) -> int:
+        """Close every finding open at observation ``as_of`` (None: every open finding), replace-class
+        too. Conditions that are still true (a sticky hardware flag) stay quiet until they change;
+        new XIDs start new incidents, and XIDs observed after ``as_of`` that joined a cleared
+        incident become one; the inventory is learned again."""
+        if as_of is not None and as_of >= self.observation:
+            as_of = None  # a cut-off from another numbering (state lost): everything seen is older
+        closed = self.book.clear(now, as_of, self.incidents.reopen)
+        self.incidents.describe(self.book)
         self.known_gpus.clear()
         self.known_efa.clear()
         log.info("findings cleared by operator count=%d reason=%s", closed, " ".join(str(reason).split()) or "-")
@@ -202,6 +218,7 @@ class Classifier:
     def export_state(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
+            "observation": self.observation,
             "boot_id": self.boot_id,
             "clear_token": self.clear_token,
             "now": self.now,
@@ -215,29 +232,89 @@ class Classifier:
         }
 
     def restore_state(self, d: Any) -> None:
-        """Load what ``export_state`` wrote. ``{}`` is a clean start; anything unreadable is
-        counted, logged once and replaced by a clean start: never raises."""
+        """Load what ``export_state`` wrote, part by part. ``{}`` is a clean start. A part that
+        cannot be read (a wrong type, garbage, a field an older or newer agent wrote differently)
+        is counted, logged once and left at its clean default while the others are kept: an open
+        finding is not lost because the counter history beside it is garbage. Unknown keys are
+        ignored. Never raises.
+
+        A part read wrongly must not act: a boot id or a GPU UUID of the wrong type is dropped,
+        never turned into text (a "changed" boot id would close every reboot finding, a "new"
+        UUID would close that GPU's findings); a clear token of the wrong type is unknown, and the
+        next token seen is adopted without clearing (a clear applied twice wipes real faults).
+        """
         self._reset()
         if not d:
             return
+        if not isinstance(d, dict):
+            self._restore_failed([f"state is {type(d).__name__}, not a mapping"])
+            return
+        problems: list[str] = []
+        if d.get("version") != STATE_VERSION:  # another agent's: read what this one understands
+            problems.append(f"version {d.get('version')!r}, this agent writes {STATE_VERSION}"[:120])
+
+        def part(name: str, read: Callable[[Any], Any], default: Any) -> Any:
+            if name not in d:
+                return default
+            try:
+                return read(d[name])
+            except Exception as exc:  # garbage of any shape: this part starts clean
+                problems.append(f"{name}: {exc!r}"[:120])
+                return default
+
+        self.observation = max(self.observation, part("observation", _count, 0))
+        self.boot_id = part("boot_id", as_text, "")
+        # None (saved as unknown, or unreadable): the next token seen is adopted, never applied
+        self.clear_token = part("clear_token", lambda v: None if v is None else as_text(v), None)
+        if "clear_token" not in d:
+            self.clear_token = ""
+        self.now = part("now", _number, 0.0)
+        self.inventory_time = part("inventory_time", lambda v: None if v is None else _number(v), None)
+        self.book = part("book", lambda v: FindingBook.from_dict(self.policy, _mapping(v), problems),
+                         FindingBook(self.policy))
+        part("incidents", lambda v: self.incidents.load(_mapping(v)), None)
+        self.gpus = part("gpus", lambda v: _tracks(v, GpuTrack.from_dict, problems), {})
+        self.efa = part("efa", lambda v: _tracks(v, EfaTrack.from_dict, problems), {})
+        self.known_gpus = part("known_gpus", _words, {})
+        self.known_efa = part("known_efa", _words, {})
+        if problems:
+            self._restore_failed(problems)
+
+    def _restore_failed(self, problems: list[str]) -> None:
+        self.restore_errors += len(problems)
+        log.warning("classifier state partly unreadable, those parts start clean count=%d first=%s",
+                    len(problems), "; ".join(problems[:3]))
+
+
+def _number(value: Any) -> float:
+    if not finite(value):
+        raise TypeError(f"{value!r} is not a finite number")
+    return float(value)
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"{value!r} is not a count")
+    return value
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"{type(value).__name__} is not a mapping")
+    return value
+
+
+def _tracks(raw: Any, read: Callable[[dict[str, Any]], Any], problems: list[str]) -> dict[str, Any]:
+    """Device histories, each read on its own (a bad one is dropped and learned again). A track
+    whose UUID is not text is dropped: the GPU-replaced check compares UUIDs."""
+    tracks: dict[str, Any] = {}
+    for key, value in list(_mapping(raw).items())[:MAX_TRACKS]:
         try:
-            if not isinstance(d, dict) or d.get("version") != STATE_VERSION:
-                raise ValueError(f"unknown state version {d.get('version') if isinstance(d, dict) else type(d)}")
-            self.boot_id = str(d.get("boot_id", ""))
-            self.clear_token = str(d.get("clear_token", ""))
-            self.now = float(d.get("now", 0.0))
-            inventory_time = d.get("inventory_time")
-            self.inventory_time = None if inventory_time is None else float(inventory_time)
-            self.book = FindingBook.from_dict(self.policy, d.get("book", {}))
-            self.incidents.load(d.get("incidents", {}))
-            self.gpus = {str(k): GpuTrack.from_dict(v) for k, v in list(d.get("gpus", {}).items())[:MAX_TRACKS]}
-            self.efa = {str(k): EfaTrack.from_dict(v) for k, v in list(d.get("efa", {}).items())[:MAX_TRACKS]}
-            self.known_gpus = _words(d.get("known_gpus", {}))
-            self.known_efa = _words(d.get("known_efa", {}))
-        except Exception as exc:  # garbage of any shape: start clean, say so once
-            self.restore_errors += 1
-            log.warning("classifier state unreadable, starting clean error=%s", repr(exc)[:200])
-            self._reset()
+            as_text(_mapping(value).get("uuid", ""))
+            tracks[str(key)] = read(value)
+        except Exception as exc:  # this device's history starts clean
+            problems.append(f"track {str(key)[:40]}: {exc!r}"[:120])
+    return tracks
 
 
 def _words(d: dict[str, Any]) -> dict[str, str]:

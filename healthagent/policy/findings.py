@@ -55,11 +55,18 @@ _INFOS = (
                 "Drain {gpu}, then reset it (`nvidia-smi -r -i {index}`) or reboot so the driver "
                 "retires the pending pages."),
     FindingInfo("GPU_LOST", "GPU lost (NVML: GPU_IS_LOST)", Action.REBOOT_NODE,
-                "The agent taints the node NoSchedule; let the job checkpoint, then drain and reboot. If "
+                "The agent taints the node NoSchedule, then NoExecute after the grace (within the "
+                "disruption budget); let the job "
+                "checkpoint, then reboot. If "
                 "{gpu} is lost again after the reboot, replace the node."),
     FindingInfo("GPU_MISSING", "fewer GPUs than expected", Action.REBOOT_NODE,
                 "Check `nvidia-smi -L` and `lspci | grep -i nvidia`; drain and reboot. If the GPU "
                 "is still missing after the reboot, replace the node."),
+    FindingInfo("GPU_INIT_FAILED", "GPU failed to initialise (RmInitAdapter failed)", Action.REBOOT_NODE,
+                "The driver could not initialise {gpu}: it is not usable. The agent taints the node "
+                "NoSchedule; collect `nvidia-bug-report.sh`, then drain and reboot (a stop and start "
+                "of the instance if a reboot does not bring it back). If it fails again, replace the "
+                "node."),
     FindingInfo("GPU_NVLINK_ERRORS", "NVLink errors growing", Action.MONITOR,
                 "Check `nvidia-smi nvlink -e -i {index}`; if errors keep growing or XID 74 appears, "
                 "drain and reset the GPU, then run `dcgmi diag -r 2`."),
@@ -109,12 +116,15 @@ ACTION_STEPS: dict[Action, str] = {
     Action.RESTART_APP: "The application faulted, not the node: restart the job from its last "
                         "checkpoint and read its CUDA error. If the same XID follows this GPU "
                         "across jobs, drain the node and run `dcgmi diag -r 3`.",
-    Action.RESET_GPU: "Drain {gpu}'s workloads, then reset it (`nvidia-smi -r -i {index}`); if the "
-                      "reset fails or the XID returns, reboot the node.",
-    Action.REBOOT_NODE: "The agent taints the node NoSchedule: let the job checkpoint and scale down, then "
+    Action.RESET_GPU: "Drain the workloads on {gpu}, then reset it (`nvidia-smi -r -i {index}`); if "
+                      "the reset fails or the XID returns, reboot the node.",
+    Action.REBOOT_NODE: "The agent taints the node (NoSchedule, then NoExecute after the grace, within the "
+                        "disruption budget): let the job "
+                        "checkpoint and scale down, then "
                         "drain and reboot. The finding clears after the reboot if checks pass; if "
                         "it returns, replace the node.",
-    Action.REPLACE_NODE: "The agent taints the node (NoSchedule, then NoExecute after the grace): do not "
+    Action.REPLACE_NODE: "The agent taints the node (NoSchedule, then NoExecute after the grace, within the "
+                         "disruption budget): do not "
                          "return it to the job. Collect `nvidia-bug-report.sh` and replace the "
                          "instance; the finding stays until the GPU is replaced or an operator "
                          "clears it.",

@@ -12,6 +12,10 @@ The same XID often arrives twice: from the kernel log and from NVML's event queu
 (GPU, XID) that this reporter has not joined yet, and is not counted again; repeats from one
 reporter are real repeats.
 An XID whose GPU is unknown is a node-level incident: never dropped.
+
+An operator's clear closes the incident as it was when the operator cleared; XIDs that joined it
+after that (the loop learns of a clear only once the effects finish applying it) are reopened as
+a new incident (``reopen``), acted on again.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from healthagent.policy.settings import Policy
 GPU_XID = "GPU_XID"
 NVSWITCH_SXID = "NVSWITCH_SXID"
 MAX_RECENT = 256  # remembered events per (GPU, XID) for cross-source pairing
+# Open incidents on the whole node: a log that names hundreds of PCI ids (a driver printing XIDs
+# for devices NVML does not list, or garbage) must not grow the verdict and the state file
+# without end. The mildest, oldest go first, so the node's action is the last thing to go.
+MAX_INCIDENTS = 512
 
 
 def event_time(event: XidEvent, now: float) -> float:
@@ -140,8 +148,11 @@ class XidIncidents:
             entry = self._open(code, where, t, book)
         incident = entry.incident
         assert incident is not None  # every entry matched or opened here is an incident
+        repeats = max(1, event.repeats)  # a source's folded flood of this one XID counts whole
+        incident.note(book.observation, str(entry_info.xid), t, event.source, action.value, repeats)
+        entry.touched = book.observation
         member = incident.members.setdefault(str(entry_info.xid), IncidentMember())
-        member.count += 1
+        member.count += repeats
         if action.severity > Action.parse(member.action).severity:
             member.action, member.why = action.value, why
         if event.source and event.source not in incident.sources:
@@ -151,7 +162,7 @@ class XidIncidents:
         entry.where = Where(
             entry.where.gpu_index if entry.where.gpu_index is not None else where.gpu_index,
             entry.where.pci_bus_id or where.pci_bus_id, entry.where.uuid or where.uuid)
-        entry.count += 1
+        entry.count += repeats
         entry.last_seen = max(entry.last_seen, t)
         entry.quiet_seconds = self.policy.xid_window_seconds
         entry.action = Action.most_severe([entry.action, action])
@@ -166,19 +177,56 @@ class XidIncidents:
         entry = Entry(code=code, action=Action.NONE, summary="", evidence="", next_steps="", where=where,
                       first_seen=first, last_seen=first, kind=EVENT,
                       quiet_seconds=self.policy.xid_window_seconds, count=0,
-                      incident=Incident(earliest=t, latest=t))
+                      incident=Incident(earliest=t, latest=t), opened=book.observation,
+                      touched=book.observation)
         book.entries[key] = entry
         self._bound(code, where.subject, key, book)
         return entry
 
     def _bound(self, code: str, subject: str, keep: str, book: FindingBook) -> None:
-        """At most ``max_incidents_per_gpu`` incidents per GPU: the mildest, oldest go first."""
+        """At most ``max_incidents_per_gpu`` incidents per GPU and ``MAX_INCIDENTS`` on the node:
+        the mildest, oldest go first."""
         mine = [(k, e) for k, e in book.matching(code, subject) if k != keep]
-        extra = len(mine) + 1 - int(self.policy.max_incidents_per_gpu)
-        if extra > 0:
-            mine.sort(key=lambda ke: (ke[1].action.severity, ke[1].last_seen))
-            for key, _ in mine[:extra]:
-                del book.entries[key]
+        _drop_mildest(book, mine, len(mine) + 1 - int(self.policy.max_incidents_per_gpu))
+        every = [(k, e) for k, e in book.entries.items() if e.incident is not None and k != keep]
+        _drop_mildest(book, every, len(every) + 1 - MAX_INCIDENTS)
+
+    def reopen(self, entry: Entry, as_of: int) -> Entry | None:
+        """The part of an incident that joined after observation ``as_of`` (an operator's clear),
+        as a new incident; None when nothing did. When the tail no longer reaches back to the
+        clear, the whole incident is kept as the new one: counting a cleared XID again is
+        better than losing a new one."""
+        old = entry.incident
+        if old is None:
+            return None
+        after = [item for item in old.tail if item[0] > as_of]
+        if old.tail_floor > as_of:  # joins after the clear were dropped from the tail: keep it all
+            incident = Incident(earliest=old.earliest, latest=old.latest, members=dict(old.members),
+                                sources=list(old.sources), tail=[list(i) for i in old.tail],
+                                tail_floor=old.tail_floor)
+            count, opened = entry.count, as_of + 1
+            first = min((item[3] for item in after), default=old.latest)
+        elif after:
+            first = min(item[3] for item in after)
+            incident = Incident(earliest=first, latest=max(item[4] for item in after),
+                                tail=[list(i) for i in after])
+            for _, xid, n, _, _, source, action in after:
+                member = incident.members.setdefault(xid, IncidentMember())
+                member.count += n
+                if Action.parse(action).severity > Action.parse(member.action).severity:
+                    before = old.members.get(xid)
+                    member.action = action
+                    member.why = before.why if before is not None and before.action == action else ""
+                if source and source not in incident.sources:
+                    incident.sources.append(source)
+            count, opened = sum(item[2] for item in after), min(item[0] for item in after)
+        else:
+            return None
+        incident.changed = True
+        return Entry(code=entry.code, action=Action.NONE, summary="", evidence="", next_steps="",
+                     where=entry.where, first_seen=first, last_seen=incident.latest, kind=EVENT,
+                     quiet_seconds=entry.quiet_seconds, count=count, incident=incident,
+                     opened=opened, touched=entry.touched)
 
     def _describe(self, entry: Entry) -> None:
         incident = entry.incident
@@ -197,7 +245,8 @@ class XidIncidents:
         counts = ", ".join(f"{x} x{members[str(x)].count}" for x in entry.xids)
         sources = ", ".join(incident.sources) or "unknown"
         entry.evidence = (f"{label} {counts} on {place} {span_words(incident.earliest, incident.latest)} "
-                          f"(source: {sources}); {members[worst].action}: {members[worst].why}")
+                          f"(source: {sources}); {members[worst].action}"
+                          + (f": {members[worst].why}" if members[worst].why else ""))
         what = f"{info.description or info.name} ({label} {worst}, {info.name})"
         if entry.action is Action.RESTART_APP:
             entry.summary = f"the application on {place} faulted: {what}; the GPU is expected to be healthy"
@@ -226,6 +275,13 @@ class XidIncidents:
             recent[str(key)] = {"items": items, "next": following}
         self.recent = recent
         self.paired = int(d.get("paired", 0))
+
+
+def _drop_mildest(book: FindingBook, entries: list[tuple[str, Entry]], extra: int) -> None:
+    if extra > 0:
+        entries.sort(key=lambda ke: (ke[1].action.severity, ke[1].last_seen))
+        for key, _ in entries[:extra]:
+            del book.entries[key]
 
 
 def _drop_front(recent: dict[str, Any], count: int) -> None:

@@ -15,7 +15,10 @@ A policy file looks like this (every key optional; see ``docs/findings.md#policy
 It is validated completely at start-up: an unknown key, an action that does not exist, a negative
 or non-numeric threshold each stop the agent with one ``PolicyError`` line that names the key and
 the fix. A health agent that silently ignores a typo in its policy would take nodes out (or keep
-bad ones in) against the operator's intent.
+bad ones in) against the operator's intent. The same goes for a rule given twice (``94:`` twice, or
+``94`` and ``"94"``): which one was meant is not for the agent to guess, so that is an error
+naming both, and so is a number outside what it can mean (an XID of 24 digits, a threshold of
+1e308).
 """
 
 from __future__ import annotations
@@ -70,7 +73,15 @@ THRESHOLDS: dict[str, Threshold] = {
 }
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NUMBER = re.compile(r"[0-9]{1,64}")  # ASCII digits only: str.isdigit() also takes "٩٤" and "²"
 TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds")
+# The driver's XID and SXid fields: the kernel-log parser reads at most nine digits (a longer
+# number is a malformed line), so a rule for a larger one could never match anything.
+MAX_XID = 999_999_999
+# The largest value of each kind of threshold: far past any real use, small enough that windows,
+# counts and the arithmetic on them stay meaningful (to turn a rule off, use disabled_rules).
+MAX_BY_KIND = {"seconds": 30 * 24 * 3600.0, "count": 1_000_000.0, "number": 1e9, "factor": 1000.0}
+MAX_INCIDENTS_PER_GPU = 64  # each open incident is memory, a finding and part of the state file
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,13 @@ def _shown(key: Any) -> str:
     """A key as an error message names it: as written when it is a plain name, else quoted, so a
     key holding a newline or other control characters cannot break the one-line message."""
     text = str(key)
-    return text if _PLAIN_KEY.fullmatch(text) else repr(text)
+    return text if _PLAIN_KEY.fullmatch(text) else repr(text[:64]) + ("..." if len(text) > 64 else "")
+
+
+def _written(value: Any) -> str:
+    """A value as an error message shows it: quoted as written, at most 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:
@@ -108,10 +125,19 @@ def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:
     if not isinstance(raw, dict):
         raise PolicyError(f"{section}: must be a mapping of {what} number: action, e.g. {{94: restart_app}}")
     out: dict[int, Action] = {}
+    written: dict[int, Any] = {}  # number -> the key as written, to name both of a pair
     for key, value in raw.items():
-        if isinstance(key, bool) or not str(key).strip().isdigit():
-            raise PolicyError(f"{section}.{_shown(key)}: {key!r} is not an {what} number; use an integer such as 94")
+        if isinstance(key, bool) or not _NUMBER.fullmatch(str(key).strip()):
+            raise PolicyError(f"{section}.{_shown(key)}: {_written(key)} is not an {what} number; use an "
+                              "integer such as 94")
         number = int(str(key).strip())
+        if not 1 <= number <= MAX_XID:
+            raise PolicyError(f"{section}.{_shown(key)}: {what} {_shown(key)} is out of range; {what} numbers "
+                              f"are 1 to {MAX_XID}")
+        if number in written:
+            raise PolicyError(f"{section}.{number}: {_written(written[number])} and {_written(key)} both name "
+                              f"{what} {number}; keep one")
+        written[number] = key
         if not isinstance(value, str):
             raise PolicyError(f"{section}.{number}: {value!r} is not an action; use one of: "
                               + ", ".join(a.value for a in Action))
@@ -128,13 +154,13 @@ def _threshold(key: str, raw: Any) -> float:
         raise PolicyError(f"thresholds.{_shown(key)}: unknown threshold; valid: " + ", ".join(sorted(THRESHOLDS)))
     example = f"e.g. {spec.default:g}"
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-        raise PolicyError(f"thresholds.{key}: {raw!r} is not a number; use a number, {example}")
+        raise PolicyError(f"thresholds.{key}: {_written(raw)} is not a number; use a number, {example}")
     try:
         value = float(raw)
-    except ValueError:
-        raise PolicyError(f"thresholds.{key}: {raw!r} is not a number; use a number, {example}") from None
+    except (ValueError, OverflowError):  # OverflowError: an integer past what a float holds
+        raise PolicyError(f"thresholds.{key}: {_written(raw)} is not a number; use a number, {example}") from None
     if value != value or value in (float("inf"), float("-inf")):
-        raise PolicyError(f"thresholds.{key}: {raw!r} is not a finite number; use a number, {example}")
+        raise PolicyError(f"thresholds.{key}: {_written(raw)} is not a finite number; use a number, {example}")
     if value < 0:
         raise PolicyError(f"thresholds.{key}: {value:g} is negative; use 0 or more, {example}")
     if spec.kind == "count" and (value < 1 or value != int(value)):
@@ -144,6 +170,12 @@ def _threshold(key: str, raw: Any) -> float:
     if spec.kind == "seconds" and value == 0 and key in ("incident_quiet_seconds", "rate_window_seconds",
                                                           "sbe_window_seconds"):
         raise PolicyError(f"thresholds.{key}: must be greater than 0 seconds, {example}")
+    limit = MAX_INCIDENTS_PER_GPU if key == "max_incidents_per_gpu" else MAX_BY_KIND[spec.kind]
+    if value > limit:
+        off = "; to turn the rule off use disabled_rules" if spec.kind == "number" else ""
+        unit = f" ({limit / 86400:g} days)" if spec.kind == "seconds" else ""
+        raise PolicyError(f"thresholds.{key}: {value:g} is out of range; use at most {limit:.0f}{unit}{off}, "
+                          f"{example}")
     return value
 
 

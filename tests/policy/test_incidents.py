@@ -220,3 +220,20 @@ def test_counted_xids_leave_out_the_second_reporter():
     kmsg, nvml = xid(94, t=T0, source="kmsg"), xid(94, t=T0 + 1, source="nvml")
     assert clf.observe(collect(T0 + 2, gpus=gpus(), xids=[kmsg, nvml])).counted_xids == (kmsg,)
     assert clf.observe(collect(T0 + 3, gpus=gpus())).counted_xids == ()
+
+
+def test_a_log_naming_hundreds_of_pci_ids_cannot_grow_the_incidents_without_end():
+    """Garbage or a confused driver names a new PCI id in every XID line: the node keeps at most
+    MAX_INCIDENTS open incidents, the mildest and oldest dropped first, so the action stays."""
+    from healthagent.policy.incidents import MAX_INCIDENTS
+    from tests.support.policy import T0, classifier, collect, xid
+
+    clf = classifier()
+    ids = [f"0001:{bus:02x}:{dev:02x}.0" for bus in range(40) for dev in range(20)]  # 800 PCI ids
+    verdict = None
+    for i, pci in enumerate(ids):
+        number = 94 if i == 3 else 13  # one replace_node among 799 restart_app
+        verdict = clf.observe(collect(T0 + i, xids=[xid(number, index=None, t=T0 + i, pci=pci)])).verdict
+    incidents = [f for f in verdict.findings if f.code == "GPU_XID"]
+    assert len(incidents) == MAX_INCIDENTS
+    assert verdict.action.value == "replace_node"  # the XID 94 incident, the oldest, was kept
