@@ -1,6 +1,7 @@
 """Footprint of the agent on the demo node: memory, CPU, cycle time, /metrics render time, series.
 
-    .venv/bin/python -m bench.bench_footprint [--intervals 360] [--real-seconds 120]
+    .venv/bin/python -m bench.bench_footprint [--intervals 360] [--real-seconds 300] [--parts 1,2]
+                                              [--agents nvml,no-nvml,kube]
 
 The demo node is a p5.48xlarge-shaped host root: 8 x H100 through the stub NVML library, 32 EFA
 devices in sysfs, a /dev/kmsg-format kernel log. Two parts:
@@ -8,8 +9,9 @@ devices in sysfs, a /dev/kmsg-format kernel log. Two parts:
 1. an hour in fast-forward (in a child process: the agent and the counter moves, nothing else): the real ``Agent`` with
    its real sources on a simulated clock, ``--intervals`` 10 s intervals back to back (360 = one
    hour). Each interval: the EFA traffic counters of every device and two NVML fields move, one full
-   cycle runs (kernel log + NVML + EFA, classify, save state), then the 99 kernel-log-only cycles
-   that 0.1 s polling makes in 10 s, then one /metrics render as Prometheus asks for it (its own
+   cycle runs (kernel log + NVML + EFA, classify, save state), then ``KMSG_WAKES`` kernel-log-only
+   cycles (what each wake-up by a write to the kernel log costs; an idle node has none: the loop
+   sleeps until the next collection), then one /metrics render as Prometheus asks for it (its own
    Accept header, which selects OpenMetrics, and gzip, as the server sends it), and one in text
    0.0.4. It reports RSS after the first interval, after 36 (six minutes) and at the end, the peak
    (VmHWM), the median and p99 of a full cycle and of a kernel-log-only cycle (wall time, and the
@@ -23,7 +25,9 @@ devices in sysfs, a /dev/kmsg-format kernel log. Two parts:
    for ``--real-seconds`` (default 300) while the counters move every 10 s and a scraper asks for
    /metrics every 15 s as Prometheus does; its process CPU time (from /proc) over the wall time,
    its RSS. Run with the stub NVML, with ``--no-nvml``, and a third time writing to the fake API
-   server through the ``kubernetes`` client, as in a cluster (that library's share of the RSS).
+   server through the ``kubernetes`` client, as in a cluster (that library's share of the RSS);
+   ``--agents`` picks which. ``--parts 2`` runs part 2 alone (e.g. in a worktree of older code, to
+   compare its CPU).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from tests.support.live_agent import AgentProcess, HoldingKubeFake, Scrape, proc
 
 INTERVAL = 10.0
 POLL = 0.1
+KMSG_WAKES = 10  # kernel-log-only cycles measured per interval (wake-ups by kernel-log writes)
 SCRAPE_INTERVAL = 15.0  # a common Prometheus scrape interval
 MOVING_COUNTERS = ("tx_bytes", "rx_bytes", "rdma_write_bytes", "rdma_write_recv_bytes")
 
@@ -117,7 +122,7 @@ def fast_forward(intervals: int, work: Path) -> dict:
             sources[name].append(agent._health[name].duration_seconds)
         for item in agent.scheduled:
             item.next_due = float("inf")  # the rest of the interval: kernel log only
-        for _ in range(int(INTERVAL / POLL) - 1):
+        for _ in range(KMSG_WAKES):
             clock.now += POLL
             started, started_cpu = time.perf_counter(), time.process_time()
             agent.cycle()
@@ -192,6 +197,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--intervals", type=int, default=360)
     parser.add_argument("--real-seconds", type=float, default=300.0)
+    parser.add_argument("--parts", default="1,2", help="1: the hour in fast-forward; 2: healthagent run")
+    parser.add_argument("--agents", default="nvml,no-nvml,kube", help="part 2's runs")
     parser.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -203,37 +210,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-footprint-") as tmp:
         cache = Path(tmp) / "cache"
         env = dict(os.environ, XDG_CACHE_HOME=str(cache))
-        child = subprocess.run([sys.executable, "-m", "bench.bench_footprint", "--intervals", str(args.intervals),
-                                "--child", str(Path(tmp) / "ff")], capture_output=True, text=True, env=env,
-                               check=True)
-        r = json.loads(child.stdout.strip().splitlines()[-1])
-        full_cpu, idle_cpu = median(r["full_cpu"]), median(r["idle_cpu"])
-        rss = r["rss_kib"]
-        print(f"\n1. {r['intervals']} intervals of 10 s back to back ({r['intervals'] * INTERVAL / 3600:.2f} h "
-              f"equivalent), Kubernetes dry-run, verdict at the end: {r['verdict']}")
-        print(table(["figure", "value"], [
-            ["RSS after the first interval", mib(rss["first"])],
-            ["RSS after 36 intervals (6 min)", mib(rss["six_minutes"])],
-            ["RSS at the end", mib(rss["end"])],
-            ["growth from 6 min to the end", f"{(rss['end'] - rss['six_minutes']) / 1024:+.2f} MiB"],
-            ["peak RSS (VmHWM)", mib(rss["peak"])],
-            ["full cycle wall p50 / p99", f"{median(r['full_wall']) * 1000:.1f} / "
-                                          f"{percentile(r['full_wall'], 0.99) * 1000:.1f} ms"],
-            ["full cycle CPU p50", f"{full_cpu * 1000:.1f} ms"],
-            ["  of which NVML / EFA / kernel log (wall p50)",
-             " / ".join(f"{median(r['sources'][s]) * 1000:.1f}" for s in ("nvml", "efa", "kmsg")) + " ms"],
-            ["kernel-log-only cycle wall / CPU p50", f"{median(r['idle_wall']) * 1e6:.0f} / {idle_cpu * 1e6:.0f} us"],
-            ["/metrics after new data, Prometheus' Accept (OpenMetrics) + gzip, p50 / p99 / max",
-             ms_p50_p99_max(r["render_first"])],
-            ["/metrics after new data, text 0.0.4 + gzip, p50 / p99 / max", ms_p50_p99_max(r["render_text"])],
-            ["/metrics repeat (nothing changed), OpenMetrics + gzip, p50", f"{median(r['render_repeat']) * 1000:.2f} ms"],
-            ["series (healthagent_*)", r["series"]],
-        ]))
+        if "1" in args.parts.split(","):
+            child = subprocess.run([sys.executable, "-m", "bench.bench_footprint", "--intervals", str(args.intervals),
+                                    "--child", str(Path(tmp) / "ff")], capture_output=True, text=True, env=env,
+                                   check=True)
+            r = json.loads(child.stdout.strip().splitlines()[-1])
+            full_cpu, idle_cpu = median(r["full_cpu"]), median(r["idle_cpu"])
+            rss = r["rss_kib"]
+            print(f"\n1. {r['intervals']} intervals of 10 s back to back ({r['intervals'] * INTERVAL / 3600:.2f} h "
+                  f"equivalent), Kubernetes dry-run, verdict at the end: {r['verdict']}")
+            print(table(["figure", "value"], [
+                ["RSS after the first interval", mib(rss["first"])],
+                ["RSS after 36 intervals (6 min)", mib(rss["six_minutes"])],
+                ["RSS at the end", mib(rss["end"])],
+                ["growth from 6 min to the end", f"{(rss['end'] - rss['six_minutes']) / 1024:+.2f} MiB"],
+                ["peak RSS (VmHWM)", mib(rss["peak"])],
+                ["full cycle wall p50 / p99", f"{median(r['full_wall']) * 1000:.1f} / "
+                                              f"{percentile(r['full_wall'], 0.99) * 1000:.1f} ms"],
+                ["full cycle CPU p50", f"{full_cpu * 1000:.1f} ms"],
+                ["  of which NVML / EFA / kernel log (wall p50)",
+                 " / ".join(f"{median(r['sources'][s]) * 1000:.1f}" for s in ("nvml", "efa", "kmsg")) + " ms"],
+                ["kernel-log-only cycle wall / CPU p50", f"{median(r['idle_wall']) * 1e6:.0f} / {idle_cpu * 1e6:.0f} us"],
+                ["/metrics after new data, Prometheus' Accept (OpenMetrics) + gzip, p50 / p99 / max",
+                 ms_p50_p99_max(r["render_first"])],
+                ["/metrics after new data, text 0.0.4 + gzip, p50 / p99 / max", ms_p50_p99_max(r["render_text"])],
+                ["/metrics repeat (nothing changed), OpenMetrics + gzip, p50", f"{median(r['render_repeat']) * 1000:.2f} ms"],
+                ["series (healthagent_*)", r["series"]],
+            ]))
+        if "2" not in args.parts.split(","):
+            return
         rows = []
+        agents = args.agents.split(",")
         with HoldingKubeFake() as fake:
             fake.seed_nodes(20)
-            for name, nvml, url in (("NVML (stub), dry-run", True, None), ("--no-nvml, dry-run", False, None),
-                                    ("NVML (stub), kubernetes client", True, fake.url)):
+            for key, name, nvml, url in (("nvml", "NVML (stub), dry-run", True, None),
+                                         ("no-nvml", "--no-nvml, dry-run", False, None),
+                                         ("kube", "NVML (stub), kubernetes client", True, fake.url)):
+                if key not in agents:
+                    continue
                 got = real_run(args.real_seconds, nvml, url, Path(tmp) / f"real-{len(rows)}", cache)
                 rows.append([name, f"{got['cpu_percent']:.2f}%", mib(got["rss_kib"]), mib(got["peak_kib"]),
                              got["series"]])

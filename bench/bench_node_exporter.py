@@ -26,6 +26,13 @@ uncompressed, the series, and the ratios.
 node_exporter reads sysfs on every scrape; the agent reads it on its own 10 s loop and renders a
 snapshot per scrape, so its collection cost per 10 s (``healthagent_collect_duration_seconds``
 for ``efa``) is printed beside it.
+
+A per-counter comparison puts both on the same footing: each reading sysfs once per scrape. For
+the agent that is a scrape plus one whole collection cycle (the CPU of the rounds without a scrape
+divided by the collections in them: EFA, the kernel log, classification, the snapshot); for
+node_exporter its scrape. Each is divided by the sysfs files it reads (node_exporter's counted
+with ``strace`` over one scrape, where strace is installed; the agent's are the files it holds open,
+counted in ``/proc/<pid>/fd``) and by the series it exports.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
@@ -91,6 +99,37 @@ def add_ib_core_files(root: Path) -> None:
             (port / "counters").mkdir(exist_ok=True)
 
 
+def files_opened_per_scrape(exporter: NodeExporter, sysfs: Path) -> int | None:
+    """The files under ``sysfs`` node_exporter opens during one scrape (strace on every thread);
+    None without strace."""
+    if shutil.which("strace") is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="ne-strace-") as tmp:
+        out = Path(tmp) / "trace"
+        threads = [f"-p{tid}" for tid in os.listdir(f"/proc/{exporter.proc.pid}/task")]
+        tracer = subprocess.Popen(["strace", "-f", "-qq", "-e", "trace=openat", "-o", str(out), *threads],
+                                  stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # attached
+        fetch(exporter.port)
+        time.sleep(0.5)
+        tracer.terminate()
+        tracer.wait(10)
+        opened = [line for line in out.read_text().splitlines()
+                  if str(sysfs) in line and "O_DIRECTORY" not in line and "= -1" not in line]
+    return len(opened)
+
+
+def held_sysfs_files(pid: int, sysfs: Path) -> int:
+    """The agent's descriptors open on files under ``sysfs`` (its held counter files)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(str(sysfs))
+        except OSError:
+            pass
+    return count
+
+
 def traffic(demo, step: int) -> None:
     """Traffic counters move on every device, as under a training job."""
     for device in demo.efa_devices:
@@ -129,7 +168,8 @@ def main() -> None:
 
         add_ib_core_files(demo.root)
         exporter = NodeExporter(sysfs, Path(tmp) / "ne.log")
-        agent = AgentProcess(dict(host_root=demo.root, kube="dry-run", no_nvml=True, listen="127.0.0.1:0",
+        agent = AgentProcess(dict(host_root=demo.root, kube="dry-run", node_name="demo-p5-node", no_nvml=True,
+                                  listen="127.0.0.1:0",
                                   state_file=Path(tmp) / "state.json", expected_efa_devices=32),
                              Path(tmp) / "agent.log",
                              env={"HEALTHAGENT_EFA_INTERVAL_SECONDS": str(EFA_INTERVAL_SECONDS)})
@@ -183,6 +223,29 @@ def main() -> None:
             ]))
             print(f"the agent's own sysfs read (not per scrape: every 10 s by default, every 1 s here): "
                   f"{collect_sum / collect_count * 1000:.1f} ms wall per EFA collection (mean of {collect_count:.0f})")
+
+            # Per counter, each reading sysfs once per scrape (see the module docstring).
+            cycle_cpu = quiet / (n * GAP_SECONDS / EFA_INTERVAL_SECONDS)
+            ne_files = files_opened_per_scrape(exporter, sysfs)
+            ag_files = held_sysfs_files(agent.pid, sysfs)
+            ne_series = sum(families.values())
+            ag_read = ag_cpu + cycle_cpu
+            print(f"\nper counter, each reading sysfs once per scrape (agent: a scrape {ag_cpu * 1000:.2f} ms + one "
+                  f"collection cycle {cycle_cpu * 1000:.2f} ms of CPU)")
+            print(table(["", "node_exporter", "healthagent", "healthagent / node_exporter"], [
+                ["CPU per scrape, sysfs read included", f"{ne_cpu * 1000:.2f} ms", f"{ag_read * 1000:.2f} ms",
+                 f"{ag_read / ne_cpu:.1f}x"],
+                ["sysfs files read", ne_files if ne_files is not None else "? (no strace)", ag_files, ""],
+                ["CPU per file read", f"{ne_cpu / ne_files * 1e6:.1f} us" if ne_files else "?",
+                 f"{ag_read / ag_files * 1e6:.1f} us" if ag_files else "?",
+                 f"{(ag_read / ag_files) / (ne_cpu / ne_files):.2f}x" if ne_files and ag_files else ""],
+                ["EFA series exported", ne_series, ag_efa, ""],
+                ["CPU per EFA series", f"{ne_cpu / ne_series * 1e6:.1f} us", f"{ag_read / ag_efa * 1e6:.1f} us",
+                 f"{(ag_read / ag_efa) / (ne_cpu / ne_series):.2f}x"],
+            ]))
+            print(f"at the defaults (a collection every 10 s, a scrape every 15 s) the agent spends "
+                  f"{(ag_cpu + 1.5 * cycle_cpu) * 1000:.2f} ms of CPU per scrape: "
+                  f"{(ag_cpu + 1.5 * cycle_cpu) / ne_cpu:.1f}x node_exporter's")
         finally:
             agent.close()
             exporter.close()

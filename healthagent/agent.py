@@ -42,6 +42,7 @@ from healthagent.model import (
     XidEvent,
 )
 from healthagent.sources.base import EventSource, Source, SourceResult, XidEventQueue
+from healthagent.sources.kernel_log.wake import DataWaiter, Doorbell
 
 if TYPE_CHECKING:  # types only: the loop imports none of these parts, it is handed them
     from healthagent.effects.state import StateStore
@@ -52,6 +53,13 @@ if TYPE_CHECKING:  # types only: the loop imports none of these parts, it is han
     from healthagent.telemetry.training_intake import TrainingIntake
 
 log = logging.getLogger(__name__)
+
+# Between cycles the loop sleeps until the kernel log has data, the wake rings or a periodic source
+# is due, but never longer than this: the liveness probe wants a cycle within its heartbeat timeout
+# (60 s), whatever the source intervals.
+MAX_IDLE_SECONDS = 10.0
+# The longest single sleep: a ``stop`` set without ringing the wake is seen within this.
+IDLE_SLICE_SECONDS = 1.0
 
 
 @dataclass
@@ -86,12 +94,28 @@ class XidTally:
         key = (event.gpu_index, event.uuid, event.pci_bus_id, event.xid, event.kind)
         old = self.counts.get(key)
         self.counts[key] = XidCount(
-            xid=event.xid, count=(old.count if old else 0) + 1, gpu_index=event.gpu_index,
+            xid=event.xid, count=(old.count if old else 0) + max(1, event.repeats), gpu_index=event.gpu_index,
             uuid=event.uuid, pci_bus_id=event.pci_bus_id, kind=event.kind,
         )
 
     def snapshot(self) -> tuple[XidCount, ...]:
         return tuple(self.counts.values())
+
+
+LOGGED_XIDS = 12  # distinct XIDs a log line names; the rest are counted, never listed
+
+
+def xid_summary(events: Sequence[XidEvent]) -> str:
+    """``13x49999,94``: each XID once with its count (repeats included), in XID order (the real ones
+    are small numbers), so a flood of a million XIDs logs one short line, not a million numbers."""
+    counts: Counter[tuple[int, str]] = Counter()
+    for event in events:
+        name = "init_failed" if event.kind == "init_failed" else str(event.xid)
+        counts[(event.xid, name)] += max(1, event.repeats)
+    shown = sorted(counts)[:LOGGED_XIDS]
+    text = ",".join(name if counts[key] == 1 else f"{name}x{counts[key]}" for key in shown for name in (key[1],))
+    rest = len(counts) - len(shown)
+    return f"{text},+{rest} more" if rest > 0 else text
 
 
 def _findings_signature(verdict: Verdict | None) -> frozenset:
@@ -123,7 +147,8 @@ class Agent:
         boot_id: str = "",
         expected_gpus: int | None = None,
         expected_efa_devices: int | None = None,
-        wake: threading.Event | None = None,
+        wake: Doorbell | None = None,
+        data_waiter: Callable[[], DataWaiter | None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if len(event_sources) > 1:
@@ -141,7 +166,9 @@ class Agent:
         self.boot_id = boot_id
         self.expected_gpus = expected_gpus
         self.expected_efa_devices = expected_efa_devices
-        self.wake = wake or threading.Event()
+        self.wake = wake or Doorbell()
+        # The kernel log's waiter (``KmsgSource.data_waiter``): wakes the loop when it has data.
+        self.data_waiter = data_waiter or (lambda: None)
         self.xids = XidTally()
         self.verdict: Verdict | None = None
         self.cycles = 0
@@ -173,6 +200,11 @@ class Agent:
             new_xids.extend(self.nvml.take_events())
         fresh_periodic = False
         for item in self.scheduled:
+            if item.next_due > now + item.interval:
+                # The wall clock was set back (NTP, an operator): a due time further ahead than one
+                # interval cannot be, so it is now. Without this the GPU and EFA sources would
+                # sleep for as long as the clock jumped, and a fault in that time would go unseen.
+                item.next_due = now
             if now >= item.next_due:
                 item.last = self._collect(item.source, now)
                 item.next_due = now + item.interval
@@ -181,7 +213,8 @@ class Agent:
         gpus = self._latest_gpus()
         efa = tuple(s for item in self.scheduled if item.last for s in item.last.efa)
         enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
-        operator_clear = self.kube_status.clear_token  # a fact the effects saw on the node object
+        kube = self.kube_status  # read once: the token and the verdict it cleared belong together
+        operator_clear = kube.clear_token  # a fact the effects saw on the node object
         cleared = bool(operator_clear) and operator_clear != self.classifier.clear_token
         if self.verdict is None or enriched or fresh_periodic or cleared:
             collection = Collection(
@@ -189,6 +222,7 @@ class Agent:
                 health=tuple(self._health.values()), boot_id=self.boot_id,
                 expected_gpus=self.expected_gpus,
                 expected_efa_devices=self.expected_efa_devices, operator_clear=operator_clear,
+                operator_clear_as_of=kube.clear_as_of,
             )
             assessment = self.classifier.observe(collection)
             verdict = assessment.verdict
@@ -199,7 +233,7 @@ class Agent:
             for event in assessment.counted_xids:
                 self.xids.add(event)
             if enriched:
-                log.info("xids=%s verdict=%s", ",".join(str(x.xid) for x in enriched), verdict.action.value)
+                log.info("xids=%s verdict=%s", xid_summary(enriched), verdict.action.value)
             findings = _findings_signature(verdict)
             if enriched or cleared or findings != self._saved_findings:
                 self._persist(now, findings)  # before effects act: the SIGKILL contract
@@ -310,10 +344,32 @@ class Agent:
     # -- the loop ----------------------------------------------------------------------------------
 
     def next_wait(self) -> float:
-        """Seconds until a periodic source is due, at most the kernel-log poll interval."""
+        """Seconds until a periodic source is due (at most ``MAX_IDLE_SECONDS``); at most the
+        kernel-log poll interval when the kernel log has no waiter to wake the loop."""
         now = self.clock()
-        due = min((item.next_due for item in self.scheduled), default=now + 1.0)
-        return max(0.0, min(due - now, self.settings.kmsg_poll_seconds))
+        if any(source.backlog for source in self.event_sources):
+            return 0.0  # the kernel log has more to read now: waiting would only delay it
+        due = min((item.next_due for item in self.scheduled), default=now + MAX_IDLE_SECONDS)
+        longest = MAX_IDLE_SECONDS if self.data_waiter() is not None else self.settings.kmsg_poll_seconds
+        return max(0.0, min(due - now, longest))
+
+    def idle(self, stop: threading.Event) -> None:
+        """Sleep until the next cycle is due: the kernel log has data, the wake rang (NVML's event
+        thread, a stop request), a periodic source is due, or ``stop`` was set."""
+        deadline = time.monotonic() + self.next_wait()
+        while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            waiter = self.data_waiter()
+            if waiter is None:
+                self.wake.wait(left)  # polled: next_wait was at most kmsg_poll_seconds
+                return
+            try:
+                if waiter.wait(min(left, IDLE_SLICE_SECONDS), self.wake):
+                    return
+            except (OSError, ValueError):  # a bug the loop survives: it polls this turn instead
+                self.loop_errors["cycle"] += 1
+                log.exception("waiting for the kernel log failed; polling it this time")
+                self.wake.wait(min(left, self.settings.kmsg_poll_seconds))
+                return
 
     def start_effects(self) -> None:
         """Start the effects thread (``run`` does; a caller driving ``cycle`` by hand may)."""
@@ -335,8 +391,8 @@ class Agent:
             if server is not None:
                 server.heartbeat(self.clock())
                 server.set_ready(self.ready)
-            if stop.wait(0) or self.wake.wait(self.next_wait()):
-                self.wake.clear()
+            self.idle(stop)
+            self.wake.clear()
         self.shutdown()
 
     def shutdown(self, grace_seconds: float = 10.0) -> None:

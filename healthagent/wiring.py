@@ -105,11 +105,14 @@ def build_effects(settings: Settings, state: StateStore) -> NodeEffects | None:
         return None
     from healthagent.effects.kube import NodeEffects
 
+    # One rule for every mode that writes or shows writes (in-cluster, kubeconfig, dry-run): the
+    # node is the one named, never a guess from the hostname, which in a pod is the pod's name.
+    if not settings.node_name:
+        raise ConfigError(f"node_name: kube={settings.kube} acts on one node and must be told which; "
+                          "set NODE_NAME from the downward API (spec.nodeName) or pass --node-name "
+                          "(--kube off needs none)")
     if settings.kube == "dry-run":
         return NodeEffects(settings, None, state)
-    if not settings.node_name:
-        raise ConfigError("node_name: the agent must know its own node; set NODE_NAME from the "
-                          "downward API (spec.nodeName) or pass --node-name")
     return NodeEffects(settings, kube_api_client(settings), state)
 
 
@@ -124,7 +127,9 @@ def kube_api_client(settings: Settings) -> Any:
         path = settings.kubeconfig or ""
         # Read it first: the client answers a missing file, a file of another shape or broken
         # YAML with a misleading message or a TypeError.
-        data = read_yaml(path, "kubeconfig", "--kubeconfig PATH", ConfigError)
+        # kubectl and the client accept a key given twice (the last wins): so does this first read.
+        data = read_yaml(path, "kubeconfig", "--kubeconfig PATH", ConfigError, unique_keys=False,
+                         max_bytes=16 * 1024 * 1024)
         if not isinstance(data, dict):
             raise ConfigError(f"kubeconfig: {path!r} is not a kubeconfig (a mapping with clusters, "
                               "users and contexts); fix --kubeconfig PATH")
@@ -151,6 +156,7 @@ class AgentRuntime:
         from healthagent.effects.state import StateStore
         from healthagent.effects.worker import EffectsWorker
         from healthagent.sources.kmsg import KmsgCursor
+        from healthagent.telemetry.intake_access import IntakeAccess
         from healthagent.telemetry.metrics import Telemetry
         from healthagent.telemetry.server import AgentServer
         from healthagent.telemetry.training_intake import TrainingIntake
@@ -159,19 +165,23 @@ class AgentRuntime:
         self.stop_event = threading.Event()
         self.state = StateStore(settings.state_file)
         self.state.load()
-        wake = threading.Event()  # NVML's event thread wakes the loop through it
+        from healthagent.sources.kernel_log.wake import Doorbell
+
+        wake = Doorbell()  # NVML's event thread and a stop request wake the loop through it
         cursor = KmsgCursor.from_dict(self.state.get("kmsg_cursor") or {})
         sources = build_sources(settings, on_event=wake.set, kmsg_cursor=cursor)
         classifier = build_classifier(settings)
         classifier.restore_state(self.state.get("classifier") or {})
-        if not classifier.clear_token:  # a state file from before the token moved into policy
+        if classifier.clear_token == "":  # a state file from before the token moved into policy
             classifier.clear_token = str(self.state.get("clear_handled") or "")
         self.telemetry = Telemetry(__version__)
         self.intake = TrainingIntake(settings.training_max_jobs, settings.training_job_idle_seconds)
         self.telemetry.registry.register(self.intake)
         host, port = settings.listen_address()
-        self.server = AgentServer(self.telemetry, self.intake, host, port,
-                                  training_token=settings.training_token)
+        # Two listeners: the agent's own port (metrics, probes) and the training intake's.
+        intake_listen = None if settings.training_intake == "off" else settings.training_listen_address()
+        self.server = AgentServer(self.telemetry, self.intake, host, port, intake_listen=intake_listen,
+                                  access=IntakeAccess(settings.training_intake, settings.training_token))
         boot_id = read_boot_id(settings.host_root)
         # What the node must have: the settings, else the instance type's row (sources/instance.py).
         expected_gpus, expected_efa_devices = expected_inventory(settings)
@@ -188,6 +198,7 @@ class AgentRuntime:
             classifier=classifier, state=self.state, effects_worker=worker, telemetry=self.telemetry,
             intake=self.intake, boot_id=boot_id, expected_gpus=expected_gpus,
             expected_efa_devices=expected_efa_devices, wake=wake, clock=clock,
+            data_waiter=sources.kernel_log.data_waiter,  # the kernel log wakes the loop when written
         )
         self._thread: threading.Thread | None = None
 
@@ -196,9 +207,10 @@ class AgentRuntime:
         try:
             self.server.start()
         except OSError as exc:  # port in use, address not on this host, name that does not resolve
-            raise ConfigError(f"listen: cannot listen on {self.settings.listen} "
-                              f"({exc.strerror or exc}); choose a free port or an address of this "
-                              "host, e.g. --listen 0.0.0.0:9410") from None
+            raise ConfigError(f"listen: cannot listen on {self.settings.listen} (and the training "
+                              f"intake on {':'.join(map(str, self.settings.training_listen_address()))}) "
+                              f"({exc.strerror or exc}); choose free ports and an address of this "
+                              "host, e.g. --listen 0.0.0.0:9410 --set training_listen=0.0.0.0:9412") from None
         self._thread = threading.Thread(target=self.agent.run, args=(self.stop_event, self.server),
                                         name="healthagent-loop", daemon=True)
         self._thread.start()

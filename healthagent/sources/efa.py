@@ -21,8 +21,23 @@ would, so a link can never lead the agent out to the container's own ``/sys``.
 Devices come and go (driver reload, hot unplug) and a file can vanish between listing and
 reading: a vanished device is simply not reported (its absence is the signal policy acts on);
 an unreadable or garbage counter file is counted (``unreadable``/``parse``) and skipped, and the
-rest of that device is still reported. This runs every 10 s over ~32 devices x ~40 files, so it
-uses ``os.scandir`` and one small ``os.read`` per file.
+rest of that device is still reported.
+
+**Gone or unobserved.** Only ENOENT says a device is gone (its class entry, its PCI function or
+its directory no longer exists). Any other error where the device itself is read (EACCES for an
+agent without CAP_DAC_OVERRIDE, EIO from a device whose driver cannot answer) says nothing about
+the device: it is *unobserved*, named in ``SourceHealth.unobserved`` with the reason, and the
+source reports down (``source_up`` 0, the alert says which device and why) while it still
+reports every device it could read. Policy counts an unobserved device as present, never as
+missing, so a permission problem can never taint a node. Where the device is read: its identity
+(class link, ``device`` link, vendor, device id, driver), the listing of its ports and counter
+directories, and its counters as a whole (a device none of whose counter files can be read);
+one bad counter file among readable ones is only that counter, absent and counted.
+
+This runs every 10 s over ~32 devices x ~40 files, so it uses ``os.scandir``, and the files of a
+device whose listing is trusted (below) are held open and read with one ``pread`` each
+(``sysfs_files.HeldFiles``: reopened when a device goes or a file is replaced, closed when a
+collection no longer reads them); any other file is one small ``os.read``.
 
 What cannot change while a device exists is kept between cycles (``_Known``): whether it is an EFA
 (vendor, device id, driver), its canonical PCI id, its resolved directory, and the listing of its
@@ -50,6 +65,7 @@ from typing import Callable
 from healthagent.model import EFA_NOT_COUNTERS, EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
 from healthagent.common import ErrorTally
 from healthagent.sources.base import SourceResult, host_path
+from healthagent.sources.sysfs_files import HeldFiles
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +88,31 @@ class _Vanished(Exception):
 
 class _Stale(Exception):
     """A file a cached listing names has gone: read the device again with fresh listings."""
+
+
+class _Unreadable(Exception):
+    """The device is there but cannot be read (not ENOENT): unobserved, with the reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# Errors that say the tree is malformed where a device was read (a directory where a counter file
+# belongs, a looping link): the driver never makes them; counted, and that part is skipped. Every
+# other error (EACCES, EPERM, EIO, ENODEV ...) says the device cannot be read: it is unobserved.
+_MALFORMED = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
+
+
+def _blind(exc: OSError) -> bool:
+    """The error hides the device (unobserved), rather than showing a malformed tree."""
+    return exc.errno not in _MALFORMED
+
+
+# Called with every path the source is about to read: raises the OSError a test wants sysfs to
+# answer. For faults a real part cannot be made to show: EIO on demand, and EACCES when the tests
+# run as root (root reads a mode-000 directory). None in production.
+FaultHook = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -130,7 +171,7 @@ class _Deferred:
             tally.count(kind, message)
 
 
-def resolve_in_root(root: str, path: str) -> str:
+def resolve_in_root(root: str, path: str, touch: FaultHook | None = None) -> str:
     """Resolve ``path`` (relative to ``root``) following symlinks as if ``root`` were ``/``.
 
     Absolute link targets restart at ``root`` and ``..`` never climbs above it, so whatever the
@@ -149,6 +190,8 @@ def resolve_in_root(root: str, path: str) -> str:
                 resolved.pop()
             continue
         candidate = os.path.join(root, *resolved, part)
+        if touch is not None:
+            touch(candidate)
         st = os.lstat(candidate)
         if not stat.S_ISLNK(st.st_mode):
             resolved.append(part)
@@ -186,18 +229,27 @@ class EfaSource:
 
     Not thread-safe: one ``collect`` at a time (the loop's ``DeadlineSource`` never starts a
     second while one runs), which is what lets it keep its per-device cache without a lock.
+    ``fault`` is a test's fault hook (``FaultHook``); production leaves it None.
     """
 
     name = "efa"
 
-    def __init__(self, host_root: str) -> None:
+    def __init__(self, host_root: str, fault: FaultHook | None = None) -> None:
         self.host_root = os.path.abspath(host_root)
         self.errors = ErrorTally(self.name)
+        self.fault = fault
         self._known: dict[str, _Known] = {}  # class entry name -> what stays true while it exists
+        self._files = HeldFiles(self.name)  # the trusted listings' files, held open between cycles
 
     # -- the cycle -------------------------------------------------------------------------------
 
     def collect(self, now: float) -> SourceResult:
+        try:
+            return self._collect(now)
+        finally:
+            self._files.sweep()  # close what this collection did not read: a device gone, a new listing
+
+    def _collect(self, now: float) -> SourceResult:
         class_dir = host_path(self.host_root, CLASS_DIR)
         try:
             names = sorted((e.name for e in os.scandir(class_dir)), key=natural_key)
@@ -209,30 +261,64 @@ class EfaSource:
             return self._result(False, f"cannot read {CLASS_DIR}: {exc.strerror}", ())
         samples: list[EfaSample] = []
         known: dict[str, _Known] = {}  # only the entries listed now: the cache cannot outgrow sysfs
+        unobserved: dict[str, str] = {}  # there, but not readable: never "missing" (module docstring)
         for name in names:
-            entry = self._still_known(class_dir, name) or self._identify(name)
-            if entry is None:
-                continue
-            known[name] = entry
-            if entry.device is None:
-                continue
             try:
+                entry = self._still_known(class_dir, name) or self._identify(name)
+                if entry is None:
+                    continue
+                known[name] = entry
+                if entry.device is None:
+                    continue
                 samples.extend(self._read(entry, now))
             except _Vanished:
-                del known[name]
+                known.pop(name, None)
                 log.info("source=efa device=%s vanished while being read; not reported this cycle", name)
+            except _Unreadable as exc:
+                known.pop(name, None)
+                unobserved[name] = exc.reason
         self._known = known
         devices = len({s.device for s in samples})
+        if unobserved:
+            return self._result(False, _blind_detail(devices, unobserved), tuple(samples), tuple(unobserved))
         if devices == 0:
             return self._result(True, "no EFA devices", ())
         return self._result(True, f"{devices} EFA devices", tuple(samples))
 
     def close(self) -> None:
-        """Nothing is held open between cycles."""
+        """Close the counter files held open between cycles."""
+        self._files.close()
 
-    def _result(self, up: bool, detail: str, samples: tuple[EfaSample, ...]) -> SourceResult:
-        health = SourceHealth(source=self.name, up=up, detail=detail, errors=self.errors.snapshot())
+    def _result(self, up: bool, detail: str, samples: tuple[EfaSample, ...],
+                unobserved: tuple[str, ...] = ()) -> SourceResult:
+        health = SourceHealth(source=self.name, up=up, detail=detail, errors=self.errors.snapshot(),
+                              unobserved=unobserved)
         return SourceResult(health=health, efa=samples)
+
+    # -- filesystem access (every path passes the fault hook) --------------------------------------
+
+    def _touch(self, path: str) -> None:
+        if self.fault is not None:
+            self.fault(path)
+
+    def _read_small(self, path: str) -> bytes:
+        self._touch(path)
+        return _read_small(path)
+
+    def _read_file(self, path: str, cached: bool) -> bytes:
+        """A file of a trusted listing (``cached``) through a held descriptor, any other opened and
+        closed: a device being registered, or one whose listing just changed, holds none."""
+        if not cached:
+            return self._read_small(path)
+        self._touch(path)
+        return self._files.read(path, READ_LIMIT)
+
+    def _list(self, path: str) -> list[os.DirEntry]:
+        self._touch(path)
+        return list(os.scandir(path))
+
+    def _resolve(self, rel: str) -> str:
+        return resolve_in_root(self.host_root, rel, self._touch)
 
     def _read(self, entry: _Known, now: float) -> list[EfaSample]:
         """The device's samples: from its trusted listing when there is one, else listing afresh
@@ -243,6 +329,9 @@ class EfaSource:
             deferred = _Deferred()
             try:
                 samples, _ = self._read_device(device, now, entry.layout, deferred.count)
+            except _Unreadable:
+                deferred.commit(self.errors)
+                raise
             except _Stale:
                 log.info("source=efa device=%s a listed file has gone; listing the device again", device.name)
                 entry.layout = entry.seen = None
@@ -263,7 +352,7 @@ class EfaSource:
         if entry is None:
             return None
         try:
-            if _identity(os.path.join(class_dir, name), entry.identity[1]) == entry.identity:
+            if self._identity(os.path.join(class_dir, name), entry.identity[1]) == entry.identity:
                 return entry
         except OSError:
             pass  # gone or changed: resolved from scratch (which counts what deserves counting)
@@ -271,40 +360,48 @@ class EfaSource:
 
     def _identify(self, name: str) -> _Known | None:
         """What the class entry is: an EFA bound to the efa driver (``device`` set), another device
-        (``device`` None), or None when that cannot be told now (gone, unreadable, unbound): asked
-        again next cycle."""
+        (``device`` None), or None when it is gone or is no EFA now (vanished, unbound, not backed
+        by a PCI function): asked again next cycle. Raises ``_Unreadable`` when it is there but
+        cannot be read: then whether it is an EFA is unknown, and so is its health."""
         rel = f"{CLASS_DIR}/{name}"
         try:
-            path = resolve_in_root(self.host_root, rel)
-            pci_dir = resolve_in_root(self.host_root, self._rel(path) + "/device")
-            identity = _identity(host_path(self.host_root, rel), path)
+            path = self._resolve(rel)
+            pci_dir = self._resolve(self._rel(path) + "/device")
+            identity = self._identity(host_path(self.host_root, rel), path)
         except FileNotFoundError:
             return None  # vanished, or not backed by a PCI function (rxe, siw): not an EFA
         except OSError as exc:
-            self.errors.count("unreadable", f"device={name} error={exc.strerror}")
-            return None
+            if not _blind(exc):
+                self.errors.count("unreadable", f"device={name} error={exc.strerror}")
+                return None
+            raise self._unreadable("unreadable", name, f"device={name} error={exc.strerror}", exc) from None
         try:
-            vendor = _read_small(os.path.join(pci_dir, "vendor")).strip().decode("ascii", "replace")
-            dev_id = _read_small(os.path.join(pci_dir, "device")).strip().decode("ascii", "replace")
+            vendor = self._read_small(os.path.join(pci_dir, "vendor")).strip().decode("ascii", "replace")
+            dev_id = self._read_small(os.path.join(pci_dir, "device")).strip().decode("ascii", "replace")
         except FileNotFoundError:
             return None
         except OSError as exc:
-            self.errors.count("unreadable", f"device={name} pci={pci_dir} error={exc.strerror}")
-            return None
+            if not _blind(exc):
+                self.errors.count("unreadable", f"device={name} pci={pci_dir} error={exc.strerror}")
+                return None
+            raise self._unreadable("unreadable", name, f"device={name} pci={pci_dir} error={exc.strerror}",
+                                   exc) from None
         try:
             is_efa_id = int(vendor, 16) == EFA_VENDOR_ID and dev_id.lower().startswith(EFA_DEVICE_ID_PREFIX)
         except ValueError:
-            self.errors.count("parse", f"device={name} vendor={vendor!r} not hex")
-            return None
+            raise self._unreadable("parse", name, f"device={name} vendor={vendor[:32]!r} not hex") from None
         if not is_efa_id:
             return _Known(identity, None)
         try:
-            driver = os.path.basename(resolve_in_root(self.host_root, self._rel(pci_dir) + "/driver"))
+            driver = os.path.basename(self._resolve(self._rel(pci_dir) + "/driver"))
         except FileNotFoundError:
             return None  # unbound: no driver, no counters
         except OSError as exc:
-            self.errors.count("unreadable", f"device={name} driver link error={exc.strerror}")
-            return None
+            if not _blind(exc):
+                self.errors.count("unreadable", f"device={name} driver link error={exc.strerror}")
+                return None
+            raise self._unreadable("unreadable", name, f"device={name} driver link error={exc.strerror}",
+                                   exc) from None
         if driver != EFA_DRIVER:
             return _Known(identity, None)
         return _Known(identity, _EfaDevice(name=name, path=path,
@@ -312,6 +409,15 @@ class EfaSource:
 
     def _rel(self, path: str) -> str:
         return os.path.relpath(path, self.host_root)
+
+    def _identity(self, class_entry: str, device_dir: str) -> tuple:
+        self._touch(device_dir)
+        return _identity(class_entry, device_dir)
+
+    def _unreadable(self, kind: str, name: str, message: str, exc: OSError | None = None) -> _Unreadable:
+        """Count why a device cannot be read; the exception that makes it unobserved."""
+        self.errors.count(kind, message)
+        return _Unreadable(exc.strerror or str(exc) if exc is not None else message)
 
     # -- counters ------------------------------------------------------------------------------------
 
@@ -330,13 +436,15 @@ class EfaSource:
         else:
             ports_dir = os.path.join(device.path, "ports")
             try:
-                numbered = sorted((int(e.name), e.path) for e in os.scandir(ports_dir) if e.name.isdigit())
+                numbered = sorted((int(e.name), e.path) for e in self._list(ports_dir) if e.name.isdigit())
             except FileNotFoundError:
                 self._check_present(device)
                 return [], _Layout(listing, ())  # a device without ports has no port to report
             except OSError as exc:
                 count("unreadable", f"device={device.name} path={ports_dir} error={exc.strerror}")
-                return [], None
+                if not _blind(exc):
+                    return [], None
+                raise _Unreadable(f"{exc.strerror} listing its ports") from None
             ports = tuple(_Port(port, port_dir, None) for port, port_dir in numbered[:MAX_PORTS])
         samples = []
         listed: list[_Port] = []
@@ -363,23 +471,28 @@ class EfaSource:
         """The counters in ``directory`` and its listing (None when it could not be listed)."""
         if not cached:
             try:
-                entries = sorted(e.name for e in os.scandir(directory))[:MAX_COUNTER_FILES]
+                entries = sorted(e.name for e in self._list(directory))[:MAX_COUNTER_FILES]
             except FileNotFoundError:
                 self._check_present(device)
                 return {}, ()  # this driver keeps no counters here
             except OSError as exc:
                 count("unreadable", f"device={device.name} path={directory} error={exc.strerror}")
-                return {}, None
+                if not _blind(exc):
+                    return {}, None
+                raise _Unreadable(f"{exc.strerror} listing {os.path.basename(directory)}") from None
             listing = tuple((name, os.path.join(directory, name)) for name in entries)
         counters: dict[str, int] = {}
+        failed: list[str] = []  # counter files that answered an error that hides the device
+        attempted = 0
         for name, path in listing:
             if name in EFA_NOT_COUNTERS:
                 continue
             if not _COUNTER_NAME.match(name):
                 count("parse", f"device={device.name} file={path!r} is not a counter name")
                 continue
+            attempted += 1
             try:
-                raw = _read_small(path)
+                raw = self._read_file(path, cached)
             except FileNotFoundError:
                 if cached:
                     raise _Stale(path) from None
@@ -388,17 +501,22 @@ class EfaSource:
                 continue
             except OSError as exc:
                 count("unreadable", f"device={device.name} file={path} error={exc.strerror}")
+                if _blind(exc):
+                    failed.append(exc.strerror or str(exc))
                 continue
             value = parse_counter(raw)
             if value is None:
                 count("parse", f"device={device.name} file={path} value={raw[:32]!r}")
                 continue
             counters[name] = value
+        if failed and len(failed) == attempted:
+            # Not one counter could be read (EIO from every file): the device answers nothing.
+            raise _Unreadable(f"{failed[0]} reading every counter in {os.path.basename(directory)}")
         return counters, listing
 
     def _read_text(self, device: _EfaDevice, path: str, cached: bool, count: Callable[[str, str], None]) -> str:
         try:
-            return _read_small(path).decode("ascii", "replace").strip()
+            return self._read_file(path, cached).decode("ascii", "replace").strip()
         except FileNotFoundError:
             if cached:
                 raise _Stale(path) from None
@@ -409,9 +527,28 @@ class EfaSource:
             return ""
 
     def _check_present(self, device: _EfaDevice) -> None:
-        """After an ENOENT: if the whole device is gone, stop reading it (it is not an error)."""
-        if not os.path.isdir(device.path):
+        """After an ENOENT: if the whole device is gone, stop reading it (it is not an error). Only
+        ENOENT (or a file where its directory was) says gone; a device whose directory cannot be
+        looked at (EACCES, EIO) is unobserved, never taken for gone."""
+        try:
+            self._touch(device.path)
+            gone = not stat.S_ISDIR(os.stat(device.path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            gone = True
+        except OSError as exc:
+            raise _Unreadable(f"{exc.strerror} looking at its directory") from None
+        if gone:
             raise _Vanished(device.name)
+
+
+def _blind_detail(devices: int, unobserved: dict[str, str]) -> str:
+    """The health detail while devices cannot be read: how many, which, why (bounded)."""
+    names = sorted(unobserved, key=natural_key)
+    shown = ", ".join(f"{n} ({unobserved[n]})" for n in names[:4]) + (f" and {len(names) - 4} more"
+                                                                       if len(names) > 4 else "")
+    return (f"{devices} EFA devices read; {len(names)} could not be read, so they are unobserved (not "
+            f"missing): {shown}; the agent needs read access to /sys/class/infiniband (run it as root with "
+            f"CAP_DAC_OVERRIDE, or privileged)")
 
 
 def _identity(class_entry: str, device_dir: str) -> tuple:

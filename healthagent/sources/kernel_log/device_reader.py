@@ -19,6 +19,7 @@ from healthagent.sources.kernel_log.formats import kmsg_header
 from healthagent.sources.kernel_log.parser import PARSER_CONTEXT_LINES, SOURCE_NAME, LogChunk
 from healthagent.sources.kernel_log.reader import Sink, log
 from healthagent.sources.kernel_log.ring import ResumeAfter, RingPosition
+from healthagent.sources.kernel_log.wake import ReadableWaiter
 from healthagent.sources.kernel_log.wording import describe_unreadable, device_mode
 
 # One /dev/kmsg read returns one formatted record; the kernel refuses (EINVAL) a buffer smaller
@@ -103,6 +104,10 @@ class KmsgDeviceReader:
 
     def describe_failure(self, exc: OSError) -> str:
         return describe_unreadable(self.path, exc, device=True)
+
+    def data_waiter(self) -> ReadableWaiter:
+        """The kernel marks the descriptor readable while records past its position exist."""
+        return ReadableWaiter(self.fd)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -1,26 +1,121 @@
 """Follows a regular file of kernel-log text by byte offset: ``--kernel-log``, the demo's ``dev/kmsg``.
 
-Why by offset: a file can be re-read from any point, so the cursor is the next unread byte (and the
-file's inode, so a replaced file is not resumed at an offset into another). Rotation, truncation,
-a partial last line (it waits for its newline) and undecodable bytes are handled; reading is in
-chunks of ``FILE_CHUNK_BYTES``, so a flood costs bounded memory. A file may hold /dev/kmsg records
-(the demo node) whose sequence numbers keep a re-read copy from being handed over twice, or text
-(dmesg, syslog) that keeps earlier boots' lines (``keeps_earlier_boots``).
+Why by offset: a file can be re-read from any point, so the cursor is the next unread byte. A
+partial last line waits for its newline, undecodable bytes are replaced and counted, and reading
+is in chunks of ``FILE_CHUNK_BYTES``, so a flood costs bounded memory. A file may hold /dev/kmsg
+records (the demo node) whose sequence numbers keep a re-read copy from being handed over twice,
+or text (dmesg, syslog) that keeps earlier boots' lines (``keeps_earlier_boots``).
+
+**Which log is it?** Not the path, not the size: a log is identified by its inode plus a
+fingerprint of what was read of it (its first ``FINGERPRINT_BYTES`` and the ``FINGERPRINT_BYTES``
+before the offset). Before every chunk the fingerprint is checked where the bytes were:
+
+- the same inode, the bytes still there: read on;
+- the bytes changed (truncated, or truncated and at once rewritten longer than the offset): the
+  file is another log now, read from its start (records already handed over, by sequence
+  number, are skipped; a text file's lines are all new);
+- another inode at the path (rotation): a file whose first bytes and the bytes before the offset
+  are the old file's is a copy of it plus new lines (``cp`` + append + ``mv`` over the path): read
+  on at the same offset, so nothing is handed over twice; any other file is a new log, read from
+  its start;
+- the file left at the old inode (renamed away) is kept open and *drained* before the new one on
+  every read, for as long as something still appends to it and ``RETIRED_IDLE_SECONDS`` after
+  that: a writer that has not reopened the log yet (syslog before its HUP) loses no line.
+
+The cursor saves the fingerprint as a digest, so a restart tells the same way whether the file at
+the path is the log it stopped in (resume at the offset), whatever its inode.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
+from dataclasses import dataclass, field
 
 from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.formats import decode_text, kmsg_header
 from healthagent.sources.kernel_log.parser import SOURCE_NAME, LogChunk
 from healthagent.sources.kernel_log.reader import Sink, is_char_device, log
+from healthagent.sources.kernel_log.wake import InotifyWaiter, file_waiter
 from healthagent.sources.kernel_log.wording import describe_unreadable, file_mode
 
 # Regular files are read in chunks of this size: a flood costs bounded memory, never a slurp.
 FILE_CHUNK_BYTES = 1 << 20
+# Bytes of a log's start, and before the read offset, that identify it (with its inode).
+FINGERPRINT_BYTES = 1024
+# A file renamed away is drained until nothing was appended to it for this long.
+RETIRED_IDLE_SECONDS = 30.0
+# Renamed-away files drained at once; an older one is closed when a newer rotation comes.
+MAX_RETIRED = 2
+
+
+def fingerprint(head: bytes, tail: bytes) -> str:
+    """The digest the cursor keeps of a log's first bytes and the bytes before the offset."""
+    if not head and not tail:
+        return ""
+    digest = hashlib.sha256()
+    for part in (head, tail):
+        digest.update(len(part).to_bytes(4, "big"))
+        digest.update(part)
+    return digest.hexdigest()[:32]
+
+
+@dataclass
+class _Followed:
+    """One open file and where reading stands in it: the next byte, and the bytes that identify
+    what was read: ``head`` is always the file's bytes ``[0, min(offset, FINGERPRINT_BYTES))`` and
+    ``tail`` the ``FINGERPRINT_BYTES`` (or fewer, near the start) before ``offset``."""
+
+    fd: int
+    inode: int
+    offset: int = 0
+    head: bytes = b""
+    tail: bytes = b""
+    discarding: bool = False  # inside an over-long line, skipping to its end
+    idle_since: float = field(default_factory=time.monotonic)
+
+    def consumed(self, data: bytes) -> None:
+        if len(self.head) < FINGERPRINT_BYTES:  # then offset == len(head): data goes on from there
+            self.head += data[:FINGERPRINT_BYTES - len(self.head)]
+        self.tail = data[-FINGERPRINT_BYTES:] if len(data) >= FINGERPRINT_BYTES else \
+            (self.tail + data)[-FINGERPRINT_BYTES:]
+        self.offset += len(data)
+
+    def skipped(self, count: int) -> None:
+        """Bytes passed over unread (an over-long line): head and tail read again where they are."""
+        self.offset += count
+        self.head, self.tail = _fingerprint_bytes(self.fd, self.offset)
+
+    def holds(self) -> bool:
+        """The bytes read so far are still where they were read: the same log."""
+        return _same(self.fd, 0, self.head) and _same(self.fd, self.offset - len(self.tail), self.tail)
+
+    def adopt(self, other: "_Followed") -> bool:
+        """Take over ``other``'s place when this file starts with what was read of it (a copy plus
+        new lines); False, untouched, when it does not."""
+        if other.offset == 0 or not (_same(self.fd, 0, other.head)
+                                     and _same(self.fd, other.offset - len(other.tail), other.tail)):
+            return False
+        self.offset, self.head, self.tail = other.offset, other.head, other.tail
+        return True
+
+    def restart(self) -> None:
+        self.offset, self.head, self.tail, self.discarding = 0, b"", b"", False
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.head, self.tail)
+
+
+def _fingerprint_bytes(fd: int, offset: int) -> tuple[bytes, bytes]:
+    """(head, tail) of a file read up to ``offset``, as ``_Followed`` keeps them."""
+    size = min(offset, FINGERPRINT_BYTES)
+    return os.pread(fd, size, 0), os.pread(fd, size, offset - size)
+
+
+def _same(fd: int, offset: int, expected: bytes) -> bool:
+    return not expected or os.pread(fd, len(expected), offset) == expected
 
 
 class KernelLogFileReader:
@@ -28,84 +123,126 @@ class KernelLogFileReader:
 
     keeps_earlier_boots = True
 
-    def __init__(self, path: str, fd: int, inode: int, offset: int, tally: ErrorTally,
-                 last_seq: int | None, skip_upto: int | None) -> None:
+    def __init__(self, path: str, followed: _Followed, tally: ErrorTally, last_seq: int | None,
+                 skip_upto: int | None) -> None:
         self.path = path
-        self.fd = fd
-        self.inode = inode
-        self.offset = offset
+        self.file = followed
+        self.retired: list[_Followed] = []  # renamed away, drained while something appends to them
         self.tally = tally
         self.description = file_mode(path)
         self.last_seq = last_seq
         # Records with seq <= skip_upto were handed over before: set while re-reading from 0.
         self.skip_upto = skip_upto
-        self._discarding = False  # inside an over-long line, skipping to its end
+
+    @property
+    def inode(self) -> int:
+        return self.file.inode
+
+    @property
+    def offset(self) -> int:
+        return self.file.offset
 
     @classmethod
     def open(cls, path: str, saved: KmsgCursor, same_boot: bool, tally: ErrorTally,
              boot_id: str) -> "KernelLogFileReader":
-        """Open the file, at the saved offset when it is the same file and still that long."""
+        """Open the file, at the saved offset when it is the log the cursor stopped in."""
         handed_over = saved.seq if same_boot else None
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        inode = os.fstat(fd).st_ino
-        size = os.fstat(fd).st_size
-        # A byte offset is only trusted for the same file; for kmsg records (the cursor has a seq)
-        # also only in the same boot, since a rebuilt file may reuse the inode number.
-        same_file = saved.path == path and saved.inode == inode and (saved.seq is None or same_boot)
-        resume = same_file and saved.offset <= size
-        if same_file and not resume:
-            tally.count("rotated", f"{path} is shorter than the saved offset {saved.offset} "
-                                   f"(truncated while the agent was down); reading it from its start")
-        offset = saved.offset if resume else 0
+        followed = _Followed(fd, os.fstat(fd).st_ino)
+        resume = cls._resumes(followed, path, saved, same_boot)
+        if resume:
+            followed.offset = saved.offset
+            followed.head, followed.tail = _fingerprint_bytes(fd, saved.offset)
+        elif saved.path == path and saved.offset and (saved.seq is None or same_boot):
+            tally.count("rotated", f"{path} is not the log the saved offset {saved.offset} was in (truncated "
+                                   f"or replaced while the agent was down); reading it from its start")
         log.info("source=%s event=open path=%s mode=file boot_id=%s offset=%d resume_after_seq=%s",
-                 SOURCE_NAME, path, boot_id or "-", offset, None if resume else handed_over)
-        return cls(path, fd, inode, offset, tally, last_seq=handed_over,
-                   skip_upto=None if resume else handed_over)
+                 SOURCE_NAME, path, boot_id or "-", followed.offset, None if resume else handed_over)
+        return cls(path, followed, tally, last_seq=handed_over, skip_upto=None if resume else handed_over)
+
+    @staticmethod
+    def _resumes(followed: _Followed, path: str, saved: KmsgCursor, same_boot: bool) -> bool:
+        """Is this file the log the cursor stopped in? By its fingerprint when the cursor has one
+        (whatever the inode: a copy of the log carries on), else (a cursor saved before there was
+        one) by path and inode. For kmsg records (the cursor has a seq) only in the same boot,
+        since a rebuilt file may reuse the inode number and the bytes."""
+        if saved.seq is not None and not same_boot:
+            return False
+        size = os.fstat(followed.fd).st_size
+        if saved.offset > size or saved.path != path:
+            return False
+        if saved.fingerprint:
+            return fingerprint(*_fingerprint_bytes(followed.fd, saved.offset)) == saved.fingerprint
+        return saved.inode == followed.inode
 
     def read(self, budget: int, now: float, sink: Sink) -> bool:
-        """Hand over up to ``budget`` complete lines; True when the budget ran out first."""
-        done = 0
+        """Hand over up to ``budget`` complete lines, those of a renamed-away log first; True when
+        the budget ran out first."""
+        done = self._drain_retired(budget, sink)
         while done < budget:
-            chunk = os.pread(self.fd, FILE_CHUNK_BYTES, self.offset)
-            if self._discarding:
-                if self._skip_long_line(chunk):
-                    continue
-                return False
-            end = chunk.rfind(b"\n")
-            if end < 0:
-                if len(chunk) >= FILE_CHUNK_BYTES:
-                    self.tally.count("oversized", f"{self.path}: a line longer than {FILE_CHUNK_BYTES} "
-                                                  f"bytes at offset {self.offset} was skipped")
-                    self._discarding = True
-                    continue
-                if self._reopen_if_rotated():
-                    continue
-                return False  # caught up (a partial last line waits for its newline)
-            data = chunk[:end + 1]
-            count = data.count(b"\n")
-            if count > budget - done:
-                count = budget - done
-                rest = data.split(b"\n", count)[-1]
-                data = data[:len(data) - len(rest)]
-            lines = decode_text(data, self.tally, f"{self.path} near offset {self.offset}").split("\n")
-            lines.pop()  # after the final newline
-            if self.skip_upto is not None:
-                lines = self._drop_seen(lines)
-            sink(LogChunk(lines))
-            self._note_last_seq(lines)
-            self.offset += len(data)
+            if not self.file.holds():
+                self._restart(f"{self.path} was truncated or rewritten (the bytes already read changed); "
+                              f"reading it again from its start")
+            count, more = self._read_lines(self.file, budget - done, sink, current=True)
             done += count
+            if not more and not self._reopen_if_rotated():
+                return False  # caught up (a partial last line waits for its newline)
         return True
 
-    def _skip_long_line(self, chunk: bytes) -> bool:
+    def _read_lines(self, followed: _Followed, budget: int, sink: Sink, current: bool) -> tuple[int, bool]:
+        """Complete lines of ``followed`` from its offset, one chunk at most: (lines handed over,
+        whether there may be more to read now). Only the ``current`` file skips records already
+        handed over: a renamed-away file holds only what was appended to it."""
+        chunk = os.pread(followed.fd, FILE_CHUNK_BYTES, followed.offset)
+        if followed.discarding:
+            return 0, self._skip_long_line(followed, chunk)
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            if len(chunk) >= FILE_CHUNK_BYTES:
+                self.tally.count("oversized", f"{self.path}: a line longer than {FILE_CHUNK_BYTES} "
+                                              f"bytes at offset {followed.offset} was skipped")
+                followed.discarding = True
+                return 0, True
+            return 0, False
+        data = chunk[:end + 1]
+        count = data.count(b"\n")
+        if count > budget:
+            count = budget
+            rest = data.split(b"\n", count)[-1]
+            data = data[:len(data) - len(rest)]
+        lines = decode_text(data, self.tally, f"{self.path} near offset {followed.offset}").split("\n")
+        lines.pop()  # after the final newline
+        if current and self.skip_upto is not None:
+            lines = self._drop_seen(lines)
+        sink(LogChunk(lines))
+        self._note_last_seq(lines)
+        followed.consumed(data)
+        followed.idle_since = time.monotonic()
+        return count, True
+
+    def _skip_long_line(self, followed: _Followed, chunk: bytes) -> bool:
         """Advance through an over-long line; True when there is more to read now."""
         newline = chunk.find(b"\n")
         if newline < 0:
-            self.offset += len(chunk)
+            followed.skipped(len(chunk))
             return bool(chunk)
-        self.offset += newline + 1
-        self._discarding = False
+        followed.skipped(newline + 1)
+        followed.discarding = False
         return True
+
+    def _drain_retired(self, budget: int, sink: Sink) -> int:
+        """What was appended to renamed-away logs since the last read; each is closed once nothing
+        was appended to it for ``RETIRED_IDLE_SECONDS``."""
+        done = 0
+        for followed in list(self.retired):
+            more = True
+            while more and done < budget:
+                count, more = self._read_lines(followed, budget - done, sink, current=False)
+                done += count
+            if not more and time.monotonic() - followed.idle_since >= RETIRED_IDLE_SECONDS:
+                self.retired.remove(followed)
+                os.close(followed.fd)
+        return done
 
     def _drop_seen(self, lines: list[str]) -> list[str]:
         """Drop kmsg records already handed over (seq <= skip_upto) from the front of ``lines``."""
@@ -123,41 +260,59 @@ class KernelLogFileReader:
         for line in reversed(lines[-16:]):  # a record has at most a few dictionary lines
             head = kmsg_header(line)
             if head is not None:
-                self.last_seq = head.seq
+                if self.last_seq is None or head.seq > self.last_seq:
+                    self.last_seq = head.seq
                 return
 
     def _reopen_if_rotated(self) -> bool:
-        """At the end of the file: switch to a replacement file or restart a truncated one."""
+        """At the end of the file: switch to the file now at the path when it is another inode
+        (keeping the old one to drain). True when there is something new to read."""
         try:
             current = os.stat(self.path)
         except FileNotFoundError:
             return False  # moved away and not yet replaced: keep the old one open
-        if current.st_ino != self.inode:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            os.close(self.fd)
-            self.fd, self.inode = fd, os.fstat(fd).st_ino
+        if current.st_ino == self.file.inode:
+            return False
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        replacement = _Followed(fd, os.fstat(fd).st_ino)
+        old = self.file
+        self.file = replacement
+        self._retire(old)
+        if replacement.adopt(old):
+            self.tally.count("rotated", f"{self.path} was replaced by a copy of itself; reading on after the "
+                                        f"{old.offset} bytes already read")
+            log.info("source=%s event=rotated path=%s inode=%d copy_of_previous=true offset=%d",
+                     SOURCE_NAME, self.path, replacement.inode, replacement.offset)
+        else:
             self._restart(f"{self.path} was replaced (rotated); reading the new file from its start")
-            return True
-        if os.fstat(self.fd).st_size < self.offset:
-            self._restart(f"{self.path} shrank below the read offset {self.offset} (truncated); "
-                          f"reading it again from its start")
-            return True
-        return False
+        return True
+
+    def _retire(self, followed: _Followed) -> None:
+        followed.idle_since = time.monotonic()
+        self.retired.append(followed)
+        while len(self.retired) > MAX_RETIRED:
+            os.close(self.retired.pop(0).fd)
 
     def _restart(self, why: str) -> None:
         self.tally.count("rotated", why)
-        log.info("source=%s event=rotated path=%s inode=%d", SOURCE_NAME, self.path, self.inode)
-        self.offset = 0
-        self._discarding = False
+        log.info("source=%s event=rotated path=%s inode=%d", SOURCE_NAME, self.path, self.file.inode)
+        self.file.restart()
         self.skip_upto = self.last_seq  # a copy of records already read is not read twice
 
     def cursor(self, boot_id: str) -> KmsgCursor:
-        return KmsgCursor(boot_id=boot_id, seq=self.last_seq, path=self.path, inode=self.inode,
-                          offset=self.offset)
+        return KmsgCursor(boot_id=boot_id, seq=self.last_seq, path=self.path, inode=self.file.inode,
+                          offset=self.file.offset, fingerprint=self.file.fingerprint())
 
     def describe_failure(self, exc: OSError) -> str:
         # The path may have been replaced by a device since it was opened as a file.
         return describe_unreadable(self.path, exc, is_char_device(self.path))
 
+    def data_waiter(self) -> InotifyWaiter | None:
+        """inotify on the file and its name (``wake``); None where inotify cannot be had."""
+        return file_waiter(self.path)
+
     def close(self) -> None:
-        os.close(self.fd)
+        for followed in self.retired:
+            os.close(followed.fd)
+        self.retired = []
+        os.close(self.file.fd)

@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.parser import LogChunk
+from healthagent.sources.kernel_log.wake import DataWaiter
 
 DEFAULT_KMSG = "/dev/kmsg"
 
@@ -51,6 +52,11 @@ class KernelLogReader(Protocol):
 
     def describe_failure(self, exc: OSError) -> str:
         """The health detail for ``exc`` raised by ``read`` (worded in ``wording``)."""
+        ...
+
+    def data_waiter(self) -> DataWaiter | None:
+        """What wakes the loop when this input has new data (``wake``); None when nothing can say
+        so, and the loop polls. Made before the first ``read``; the caller closes it."""
         ...
 
     def close(self) -> None:

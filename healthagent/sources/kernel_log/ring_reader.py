@@ -17,6 +17,7 @@ from healthagent.sources.kernel_log.klogctl import KernelLog
 from healthagent.sources.kernel_log.parser import PARSER_CONTEXT_LINES, SOURCE_NAME, LogChunk
 from healthagent.sources.kernel_log.reader import InputError, Sink, log
 from healthagent.sources.kernel_log.ring import RingPosition, RingTracker, rewind_lines
+from healthagent.sources.kernel_log.wake import TickWaiter
 from healthagent.sources.kernel_log.wording import (
     describe_both_unreadable,
     describe_device_refusal,
@@ -93,6 +94,10 @@ class KlogctlReader:
 
     def describe_failure(self, exc: OSError) -> str:
         return describe_both_unreadable(self.why, exc)
+
+    def data_waiter(self) -> TickWaiter:
+        """Nothing says when the ring has new lines: the loop is woken when a read is due."""
+        return TickWaiter(self.poll_seconds)
 
     def close(self) -> None:
         self.kernel.close()

@@ -12,7 +12,11 @@ cannot be read): a copied or demo host root is never mixed with this machine's l
 ``SourceHealth.detail`` names the input in use; when none can be read it names what is missing.
 
 Work per ``collect`` is bounded by ``max_records_per_cycle``; the rest waits for the next call,
-nothing is dropped. A text file keeps earlier boots too (``/var/log/kern.log``): an event on a line
+nothing is dropped, and ``backlog`` says so (the loop then reads again at once instead of waiting
+for its poll interval). Within one ``collect`` a run of the same XID on the same GPU is folded
+(``repeats``): its first reports are events as they are, the rest one event with their count, so
+a flood costs the policy a handful of events and the fault after it is judged in the same cycle
+it is read. A text file keeps earlier boots too (``/var/log/kern.log``): an event on a line
 stamped before the host's boot (less ``BOOT_TIME_SLACK_SECONDS``) is reported with
 ``previous_boot=True``, which policy counts and never judges. Records with a sequence number
 (/dev/kmsg format) and klogctl's ring are always this boot's.
@@ -34,7 +38,9 @@ from healthagent.sources.kernel_log.file_reader import KernelLogFileReader
 from healthagent.sources.kernel_log.klogctl import KernelLog
 from healthagent.sources.kernel_log.parser import SOURCE_NAME, LogChunk, XidLineParser
 from healthagent.sources.kernel_log.reader import DEFAULT_KMSG, InputError, KernelLogReader, is_char_device, log
+from healthagent.sources.kernel_log.repeats import RepeatFolder
 from healthagent.sources.kernel_log.ring_reader import KlogctlReader
+from healthagent.sources.kernel_log.wake import DataWaiter
 from healthagent.sources.kernel_log.wording import (
     backlog,
     describe_klogctl_not_tried,
@@ -77,16 +83,25 @@ class KmsgSource:
         self._parser: XidLineParser | None = None
         self._boot_id = ""
         self._failure = ""  # the detail while the input is unreadable; "" while it is fine
+        self._backlog = False
+        self._waiter: DataWaiter | None = None
 
     @property
     def cursor(self) -> KmsgCursor:
         return self._cursor
 
+    @property
+    def backlog(self) -> bool:
+        """The last ``collect`` stopped at ``max_records_per_cycle`` with more to read."""
+        return self._backlog
+
     def collect(self, now: float) -> SourceResult:
         events: list[XidEvent] = []
+        self._backlog = False
         try:
             if self._reader is None:
                 self._reader = self._open(now)
+                self._waiter = self._reader.data_waiter()  # before the first read: no write unseen
             parser = self._parser
             assert parser is not None  # opened with the reader
             parser.now = now
@@ -95,18 +110,26 @@ class KmsgSource:
             def take(chunk: LogChunk) -> None:
                 events.extend(parser.feed(chunk))
 
-            if self._reader.read(self.max_records_per_cycle, now, take):
+            self._backlog = self._reader.read(self.max_records_per_cycle, now, take)
+            if self._backlog:
                 detail += backlog(self.max_records_per_cycle)
         except OSError as exc:
             self._keep_cursor()  # what was read before the error is handed over with its events
+            self._end_read(events)
             return self._failed(exc, events)
         self._keep_cursor()
+        self._end_read(events)
         if self._failure:
             log.info("source=%s event=readable input=%r", SOURCE_NAME, self._reader.description)
             self._failure = ""
         return SourceResult(health=SourceHealth(source=SOURCE_NAME, up=True, detail=detail,
                                                 errors=self.tally.snapshot()),
                             xids=tuple(events))
+
+    def _end_read(self, events: list[XidEvent]) -> None:
+        """Hand over the reports folded in this read (their count in ``repeats``)."""
+        if self._parser is not None:
+            events.extend(self._parser.take_repeats())
 
     def _keep_cursor(self) -> None:
         if self._reader is not None:
@@ -141,7 +164,7 @@ class KmsgSource:
                 raise
             reader = self._open_ring(saved, same_boot, exc)
         self._parser = XidLineParser(self.tally, boot_time=now if boot_time is None else boot_time,
-                                     now=now, boot_id=self._boot_id)
+                                     now=now, boot_id=self._boot_id, repeats=RepeatFolder())
         if reader.keeps_earlier_boots and boot_time is not None:
             # A text file (kern.log, a saved dmesg -T) keeps earlier boots' lines: their XIDs are
             # history. /dev/kmsg and klogctl hold only the running kernel's records.
@@ -168,7 +191,15 @@ class KmsgSource:
         return KlogctlReader.open(self.klog, saved, same_boot, self.tally, self._boot_id,
                                   device_path=self.path, refusal=refusal, poll_seconds=self.klog_poll_seconds)
 
+    def data_waiter(self) -> DataWaiter | None:
+        """What wakes the loop when the kernel log has new data; None while no input is open or
+        the input can only be polled (the loop then reads every ``kmsg_poll_seconds``)."""
+        return self._waiter
+
     def close(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.close()
         reader, self._reader = self._reader, None
         if reader is not None:
             try:
