@@ -67,6 +67,7 @@ def fake_or_none(request):
 
 def effects_for(tmp_path, cluster, node=None, watch=False, **overrides):
     node = node or cluster.name(0)
+    overrides.setdefault("budget_namespace", cluster.budget_namespace)
     settings = settings_for(tmp_path / node, node, budget_node_selector=cluster.budget_selector, **overrides)
     kwargs = {}
     wakes = None

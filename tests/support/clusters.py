@@ -50,6 +50,11 @@ class Cluster:
     def run_id(self) -> str:
         return (self.prefix.rstrip("-") or "fake")[:63]
 
+    @property
+    def budget_namespace(self) -> str:
+        """Where the agents under test keep the budget's Leases."""
+        return DEFAULT_NAMESPACE
+
     def seed(self, count: int) -> list[str]:
         """``count`` GPU nodes, each with the not-ready taint and a foreign condition."""
         names = [self.name(i) for i in range(count)]
@@ -112,7 +117,13 @@ class RealCluster(Cluster):
         self._core = client.CoreV1Api(self._admin)
         self._events = client.EventsV1Api(self._admin)
         self._created: set[str] = set()
-        ensure_namespace(self._core, DEFAULT_NAMESPACE)  # where the agent keeps its budget's Leases
+        ensure_namespace(self._core, self.budget_namespace)  # where the agent keeps its budget's Leases
+
+    @property
+    def budget_namespace(self) -> str:
+        """A namespace of its own: the server is shared by the session, and the budget's count
+        Lease and slots left by another test would change this one's budget."""
+        return self.run_id
 
     def api_client(self):
         return self.plane.api_client()
@@ -181,10 +192,10 @@ class RealCluster(Cluster):
 
         leases = client.CoordinationV1Api(self._admin)
         try:
-            held = leases.list_namespaced_lease(DEFAULT_NAMESPACE, label_selector="healthagent.io/budget=slot")
+            held = leases.list_namespaced_lease(self.budget_namespace, label_selector="healthagent.io/budget=slot")
             for lease in held.items:
                 if (lease.spec.holder_identity or "") in self._created:
-                    leases.delete_namespaced_lease(lease.metadata.name, DEFAULT_NAMESPACE)
+                    leases.delete_namespaced_lease(lease.metadata.name, self.budget_namespace)
         except Exception:  # noqa: BLE001 - the server is going away; nothing to keep apart then
             pass
 

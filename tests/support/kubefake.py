@@ -1262,7 +1262,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _peer_closed(self) -> bool:
         """Has the client closed a quiet stream? (readable with nothing to read = EOF)"""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
+            # poll, not select: select() refuses descriptors past 1023, and an agent in the same
+            # process holding its EFA counter files open pushes socket numbers past that.
+            poller = select.poll()
+            poller.register(self.connection, select.POLLIN)
+            readable = poller.poll(0)
             return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
