@@ -91,12 +91,12 @@ def test_api_server_answering_after_10_seconds(fake, demo, start_agent):
 def test_500s_from_the_api_server(fake, demo, start_agent):
     # the next three requests, whatever they are, get 500 Internal Error
     runtime = xid_while(lambda: fake.fail_next(3), fake, demo, start_agent)
-    failing = wait_metric(runtime, lambda s: s.value("healthagent_kube_reachable") == 0, "the 500s noticed")
-    assert replace_decided(failing)
-    recovered(fake, runtime)
+    wait_until(lambda: [r.status for r in fake.requests()].count(500) == 3, what="the three 500s answered")
+    assert replace_decided(scrape(runtime))
+    recovered(fake, runtime)  # whichever requests the 500s hit (budget Leases, node, Event), the taint lands
     assert [r.status for r in fake.requests()].count(500) == 3
     errors = scrape(runtime).total("healthagent_kube_writes_total", result="error")
-    assert 1 <= errors <= 3  # the 500s that hit writes (others hit the budget count)
+    assert errors <= 3  # the 500s that hit writes; the others hit the budget's Lease reads
 
 
 def test_a_500_on_the_taint_write_itself(fake, demo, start_agent):
