@@ -23,7 +23,7 @@ The order of one observation:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from healthagent.model import INIT_FAILED, Collection, GpuSample, Verdict, XidEvent
@@ -51,7 +51,8 @@ class Assessment:
 
     verdict: Verdict
     # The XIDs that count (a second reporter's copy of one fault, within xid_dedupe_seconds, is
-    # left out): what healthagent_xid_errors_total adds.
+    # left out; an event that pairs in part carries only the repeats that count): what
+    # healthagent_xid_errors_total adds.
     counted_xids: tuple[XidEvent, ...] = ()
     # XIDs logged during an earlier boot (a kernel-log file's history): counted, never judged.
     earlier_boot_xids: tuple[XidEvent, ...] = ()
@@ -114,8 +115,9 @@ class Classifier:
         arranged = self._guard("xids", self.incidents.arrange, current, collection.gpus, now) or []
         for event, t, where in arranged:  # one by one: a bad event must not take its batch with it
             try:
-                if self.incidents.take(event, t, where, self.book):
-                    counted.append(event)
+                taken = self.incidents.take(event, t, where, self.book)
+                if taken:
+                    counted.append(event if taken == event.repeats else replace(event, repeats=taken))
             except Exception:
                 self._internal("xid")
         self._guard("xids", self.incidents.describe, self.book)

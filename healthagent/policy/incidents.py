@@ -10,7 +10,9 @@ The same XID often arrives twice: from the kernel log and from NVML's event queu
 (and XID 79 a third time, as the kernel's separate "GPU has fallen off the bus" line). Within
 ``xid_dedupe_seconds`` a report from one reporter joins an earlier counted report of the same
 (GPU, XID) that this reporter has not joined yet, and is not counted again; repeats from one
-reporter are real repeats.
+reporter are real repeats. A report that stands for several (``XidEvent.repeats``: a kernel-log
+flood folded into one event, a dcgm counter that rose by three) pairs as that many: a folded
+flood of 50 from the kernel log and NVML's 50 single events of it count 50, not 99.
 An XID whose GPU is unknown is a node-level incident: never dropped.
 
 An operator's clear closes the incident as it was when the operator cleared; XIDs that joined it
@@ -64,7 +66,9 @@ def locate(event: XidEvent, gpus: Iterable[GpuSample]) -> Where:
 class XidIncidents:
     policy: Policy
     catalog: Catalog
-    # "subject/kind/number" -> {"items": [[t, [reporters]], ...], "next": {reporter: item index}}
+    # "subject/kind/number" -> {"items": [[t, owner, n, {reporter: joined}], ...],
+    #                           "next": {reporter: item index}}: each item is n counted reports
+    # from ``owner`` at time t, of which ``joined`` were matched by another reporter's.
     recent: dict[str, dict[str, Any]] = field(default_factory=dict)
     paired: int = 0  # events not counted because another source already reported them
 
@@ -74,13 +78,14 @@ class XidIncidents:
         self._forget(now)
         return sorted(((e, event_time(e, now), locate(e, gpus)) for e in events), key=lambda p: p[1])
 
-    def take(self, event: XidEvent, t: float, where: Where, book: FindingBook) -> bool:
-        """Join one event to its incident; False when it repeats another reporter's (not counted).
-        The incident's words are written by ``describe`` once the batch is in."""
-        if self._is_repeat_from_other_source(event, t, where):
-            return False
-        self._join(event, t, where, book)
-        return True
+    def take(self, event: XidEvent, t: float, where: Where, book: FindingBook) -> int:
+        """Join one event to its incident; returns how many of the reports it stands for were
+        counted (0 when all repeat another reporter's). The incident's words are written by
+        ``describe`` once the batch is in."""
+        counted = self._not_yet_reported(event, t, where)
+        if counted:
+            self._join(event, t, where, book, counted)
+        return counted
 
     def describe(self, book: FindingBook) -> None:
         """Write summary, evidence and next steps of the incidents that changed."""
@@ -91,12 +96,13 @@ class XidIncidents:
 
     # -- cross-source pairing ---------------------------------------------------------------------
 
-    def _is_repeat_from_other_source(self, event: XidEvent, t: float, where: Where) -> bool:
-        """True when another reporter (source, or the kernel's separate fallen-off-the-bus line)
-        already reported this XID on this GPU within the window: it is one fault, counted once.
+    def _not_yet_reported(self, event: XidEvent, t: float, where: Where) -> int:
+        """How many of the event's reports no other reporter (source, or the kernel's separate
+        fallen-off-the-bus line) already made for this XID on this GPU within the window: those
+        are one fault seen twice, counted once.
 
         Each reporter joins the counted reports in time order (a pointer per reporter), so pairing
-        costs the same for one XID as for a flood of fifty thousand.
+        costs the same for one XID as for a flood of fifty thousand, folded or not.
         """
         window = self.policy.xid_dedupe_seconds
         number = FALLEN_OFF_BUS_XID if event.kind == "fallen_off_bus" else event.xid
@@ -104,19 +110,28 @@ class XidIncidents:
         reporter = f"{event.source}/{event.kind}"
         recent = self.recent.setdefault(f"{where.subject}/{kind}/{number}", {"items": [], "next": {}})
         items, following = recent["items"], recent["next"]
+        left = max(1, event.repeats)
         i = following.get(reporter, 0)
-        while i < len(items) and (items[i][0] < t - window or reporter in items[i][1]):
-            i += 1
-        if i < len(items) and items[i][0] <= t + window:
-            items[i][1].append(reporter)
-            following[reporter] = i + 1
-            self.paired += 1
-            return True
+        while left and i < len(items):
+            when, owner, n, joined = items[i]
+            if when > t + window:
+                break
+            free = 0 if (when < t - window or owner == reporter) else n - joined.get(reporter, 0)
+            if free <= 0:
+                i += 1
+                continue
+            pairs = min(free, left)
+            joined[reporter] = joined.get(reporter, 0) + pairs
+            self.paired += pairs
+            left -= pairs
+            if pairs == free:
+                i += 1  # this reporter has matched the whole item
         following[reporter] = i
-        items.append([t, [reporter]])
-        if len(items) > MAX_RECENT:
-            _drop_front(recent, len(items) - MAX_RECENT)
-        return False
+        if left:
+            items.append([t, reporter, left, {}])
+            if len(items) > MAX_RECENT:
+                _drop_front(recent, len(items) - MAX_RECENT)
+        return left
 
     def _forget(self, now: float) -> None:
         horizon = now - 2 * self.policy.xid_dedupe_seconds
@@ -132,7 +147,7 @@ class XidIncidents:
 
     # -- incidents --------------------------------------------------------------------------------
 
-    def _join(self, event: XidEvent, t: float, where: Where, book: FindingBook) -> None:
+    def _join(self, event: XidEvent, t: float, where: Where, book: FindingBook, repeats: int) -> None:
         entry_info, action, why = self.catalog.decide(event)
         if action is Action.NONE:
             return  # the operator silenced this XID; it is still counted in the metrics
@@ -148,7 +163,6 @@ class XidIncidents:
             entry = self._open(code, where, t, book)
         incident = entry.incident
         assert incident is not None  # every entry matched or opened here is an incident
-        repeats = max(1, event.repeats)  # a source's folded flood of this one XID counts whole
         incident.note(book.observation, str(entry_info.xid), t, event.source, action.value, repeats)
         entry.touched = book.observation
         member = incident.members.setdefault(str(entry_info.xid), IncidentMember())
@@ -263,14 +277,14 @@ class XidIncidents:
     # -- state ------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"recent": {k: {"items": [[i[0], list(i[1])] for i in v["items"]], "next": dict(v["next"])}
-                           for k, v in self.recent.items()},
+        return {"recent": {k: {"items": [[i[0], i[1], i[2], dict(i[3])] for i in v["items"]],
+                               "next": dict(v["next"])} for k, v in self.recent.items()},
                 "paired": self.paired}
 
     def load(self, d: dict[str, Any]) -> None:
         recent = {}
         for key, value in d.get("recent", {}).items():
-            items = [[float(i[0]), [str(r) for r in i[1]]] for i in value["items"]][-MAX_RECENT:]
+            items = [_load_item(i) for i in value["items"]][-MAX_RECENT:]
             following = {str(r): min(max(0, int(n)), len(items)) for r, n in value["next"].items()}
             recent[str(key)] = {"items": items, "next": following}
         self.recent = recent
@@ -287,3 +301,12 @@ def _drop_mildest(book: FindingBook, entries: list[tuple[str, Entry]], extra: in
 def _drop_front(recent: dict[str, Any], count: int) -> None:
     del recent["items"][:count]
     recent["next"] = {r: max(0, n - count) for r, n in recent["next"].items()}
+
+
+def _load_item(item: list[Any]) -> list[Any]:
+    """One remembered report from a state file: ``[t, owner, n, {reporter: joined}]``, or the
+    earlier ``[t, [owner, joiners...]]`` (one report each)."""
+    if len(item) == 2:
+        owner, *joiners = [str(r) for r in item[1]]
+        return [float(item[0]), owner, 1, {r: 1 for r in joiners}]
+    return [float(item[0]), str(item[1]), max(1, int(item[2])), {str(r): int(n) for r, n in item[3].items()}]

@@ -222,6 +222,59 @@ def test_counted_xids_leave_out_the_second_reporter():
     assert clf.observe(collect(T0 + 3, gpus=gpus())).counted_xids == ()
 
 
+def folded(number: int, repeats: int, t: float = T0, source: str = "kmsg"):
+    """A kernel-log flood of one XID folded into one event that stands for ``repeats`` reports."""
+    from dataclasses import replace
+    return replace(xid(number, t=t, source=source), repeats=repeats)
+
+
+def test_a_folded_kernel_log_flood_and_nvmls_single_events_of_it_count_once():
+    clf = classifier(policy(xid_dedupe_seconds=10))
+    singles = [xid(13, t=T0 + 0.01 * i, source="nvml") for i in range(50)]
+    assessment = clf.observe(collect(T0 + 2, gpus=gpus(), xids=[folded(13, 50), *singles]))
+    assert only(assessment.verdict, "GPU_XID").count == 50
+    assert sum(x.repeats for x in assessment.counted_xids) == 50
+
+
+def test_nvmls_single_events_first_then_the_folded_flood_counts_once():
+    clf = classifier(policy(xid_dedupe_seconds=10))
+    singles = [xid(13, t=T0 + 0.01 * i, source="nvml") for i in range(30)]
+    first = clf.observe(collect(T0 + 1, gpus=gpus(), xids=singles))
+    later = clf.observe(collect(T0 + 2, gpus=gpus(), xids=[folded(13, 30, t=T0 + 0.5)]))
+    assert only(later.verdict, "GPU_XID").count == 30
+    assert sum(x.repeats for x in first.counted_xids) == 30 and later.counted_xids == ()
+
+
+def test_a_folded_flood_larger_than_the_other_reporters_counts_what_only_it_saw():
+    """NVML's event queue overflowed after 20 of the 50: the other 30 are real and counted."""
+    clf = classifier(policy(xid_dedupe_seconds=10))
+    singles = [xid(13, t=T0 + 0.01 * i, source="nvml") for i in range(20)]
+    assessment = clf.observe(collect(T0 + 2, gpus=gpus(), xids=[*singles, folded(13, 50, t=T0 + 0.5)]))
+    assert only(assessment.verdict, "GPU_XID").count == 50
+    (kmsg,) = [x for x in assessment.counted_xids if x.source == "kmsg"]
+    assert kmsg.repeats == 30
+
+
+def test_pairing_state_survives_a_restart_in_part():
+    """A folded report half paired before a restart pairs its other half after it; a state file
+    written in the earlier format (one report per remembered item) still loads."""
+    from healthagent.policy.incidents import XidIncidents
+    clf = classifier(policy(xid_dedupe_seconds=10))
+    clf.observe(collect(T0 + 1, gpus=gpus(), xids=[folded(13, 10), *[xid(13, t=T0 + 0.1, source="nvml")] * 4]))
+    saved = json.loads(json.dumps(clf.incidents.to_dict()))
+    restored = XidIncidents(clf.incidents.policy, clf.incidents.catalog)
+    restored.load(saved)
+    assert restored.to_dict() == clf.incidents.to_dict()
+    clf.incidents = restored
+    after = clf.observe(collect(T0 + 2, gpus=gpus(), xids=[xid(13, t=T0 + 0.2, source="nvml")] * 8))
+    assert sum(x.repeats for x in after.counted_xids) == 2  # 6 paired with the rest of the 10
+    earlier = XidIncidents(clf.incidents.policy, clf.incidents.catalog)
+    earlier.load({"recent": {"3/xid/94": {"items": [[T0, ["kmsg/xid", "nvml/xid"]], [T0 + 1, ["kmsg/xid"]]],
+                                          "next": {"kmsg/xid": 2, "nvml/xid": 1}}}, "paired": 1})
+    assert earlier.to_dict()["recent"]["3/xid/94"]["items"] == [
+        [T0, "kmsg/xid", 1, {"nvml/xid": 1}], [T0 + 1, "kmsg/xid", 1, {}]]
+
+
 def test_a_log_naming_hundreds_of_pci_ids_cannot_grow_the_incidents_without_end():
     """Garbage or a confused driver names a new PCI id in every XID line: the node keeps at most
     MAX_INCIDENTS open incidents, the mildest and oldest dropped first, so the action stays."""
