@@ -101,6 +101,11 @@ class BudgetGuard:
             view = self._look(now)
             held = view.held_by(self._node)
             self.slot = held[0] if held else None
+            # A slot held by a node without the agent's taint: the last run took it and stopped
+            # before its node write landed. ``settle`` gives it back below; should that fail, the
+            # slot is re-written after the first node write that lands, as for a slot just taken,
+            # so a reclaim that judged it stale meanwhile cannot let a second node through.
+            self._renew_due = self.slot is not None and not owned_taints(node, self._taint_key)
             if self.slot is None and carries_no_execute(node, self._taint_key):
                 self._adopt(view, now)
         except ApiError as exc:

@@ -341,6 +341,33 @@ def test_a_restarted_agent_finds_its_slot_and_takes_no_second(tmp_path, cluster)
     assert again.budget.slot is not None and again.budget.slot.name == held_by(cluster, NODE)[0]
 
 
+def test_a_slot_taken_before_a_crash_cannot_let_a_second_node_through(tmp_path, cluster):
+    """The last run took a slot and stopped before its node write landed: the node holds a slot
+    and carries no taint. The restart's give-back fails (500), and while this agent believes it
+    holds the slot another node reclaims it (it judged it stale: no taint). The restarted agent's
+    NoExecute must not stand beside the reclaimer's: the slot is re-written after the write and
+    the node goes back to held NoSchedule."""
+    peer_holds(cluster, 0, NODE, tainted=False)
+    agent = start_effects(settings_for(tmp_path, NODE, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0),
+                          cluster)
+    store = agent.budget._store
+    real_replace = store.replace
+
+    def give_back_fails(body):
+        store.replace = real_replace
+        cluster.fail_next(1, 500)
+        return real_replace(body)
+
+    store.replace = give_back_fails
+    agent.startup(T0 - 1, "boot-1")
+    assert agent.budget.slot is not None and held_by(cluster, NODE) == [slot_name(0)]
+    peer_holds(cluster, 0, "gpu-node-7", at=T0)  # the reclaim, with its taint
+    status = agent.reconcile(XID95, T0, "boot-1")
+    assert effects(cluster) == {"gpu-node-7": "NoSchedule", NODE: "NoSchedule"}
+    assert status.budget_blocked and status.taint_effect == "NoSchedule"
+    assert held_by(cluster, NODE) == []
+
+
 def test_a_noexecute_without_a_slot_takes_one_at_start_and_stays_when_none_is_free(tmp_path, cluster):
     """A NoExecute from a version before the budget (or put on by hand) takes a slot at start so it
     counts; with every slot held it stays on the node (its pods are gone already) and the agent
