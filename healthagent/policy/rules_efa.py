@@ -51,11 +51,20 @@ class EfaTrack(SeriesTrack):
     exact: dict[str, dict[float, int]] = field(default_factory=dict)
 
     def note_exact(self, series: str, t: float, value: int) -> None:
+        """Keep ``value`` at ``t`` and drop what the float history dropped. The history drops from
+        its front (the window moved on), so this costs a step or two per call, not a pass over
+        the points (32 devices x 7 series every collection); when it was cut otherwise (a reset,
+        the clock stepped back) the points are matched to it whole."""
         points = self.exact.setdefault(series, {})
         points[t] = value
-        kept = {p for p, _ in self.counter(series).points}
-        for old in [p for p in points if p not in kept]:
-            del points[old]
+        history = self.counter(series).points
+        oldest = history[0][0] if history else t
+        while points and (first := next(iter(points))) < oldest:
+            del points[first]
+        if len(points) > len(history):
+            kept = {p for p, _ in history}
+            for old in [p for p in points if p not in kept]:
+                del points[old]
 
     def exact_at(self, series: str, t: float) -> int | None:
         """The exact value of the sample nearest ``t`` (times are the same floats, give or take
@@ -63,6 +72,9 @@ class EfaTrack(SeriesTrack):
         points = self.exact.get(series)
         if not points:
             return None
+        value = points.get(t)
+        if value is not None:
+            return value
         return points[min(points, key=lambda p: abs(p - t))]
 
     def to_dict(self) -> dict[str, Any]:

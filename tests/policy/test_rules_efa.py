@@ -104,3 +104,25 @@ def test_rate_finding_clears_after_a_quiet_period_and_flapping_keeps_it():
         actions.append(verdict.action)
     assert actions[-1] is Action.NONE
     assert actions[20:24] == [Action.MONITOR] * 4
+
+
+def test_exact_values_hold_the_same_points_as_the_history_whatever_cut_it():
+    """The exact integers kept for the evidence follow the float history point for point: as the
+    window moves on, after a counter reset, and after the clock stepped back."""
+    from healthagent.policy.rules_efa import EfaTrack
+
+    track = EfaTrack()
+    series = "EFA_RX_DROPS"
+
+    def note(t, value):
+        track.counter(series).add(t, value, 60.0)
+        track.note_exact(series, t, value)
+        assert sorted(track.exact[series]) == [p for p, _ in track.counter(series).points]
+
+    for i in range(40):  # the window (60 s) moves on: the oldest go
+        note(T0 + 10 * i, 2**64 - 1000 + i)
+    assert track.exact_at(series, T0 + 390) == 2**64 - 1000 + 39  # exact beyond a float's precision
+    note(T0 + 400, 5)  # a reset: the history starts again
+    note(T0 + 410, 6)
+    note(T0 + 405, 7)  # the clock stepped back
+    assert track.exact_at(series, T0 + 405) == 7
