@@ -34,10 +34,10 @@ missing, so a permission problem can never taint a node. Where the device is rea
 directories, and its counters as a whole (a device none of whose counter files can be read);
 one bad counter file among readable ones is only that counter, absent and counted.
 
-This runs every 10 s over ~32 devices x ~40 files, so it uses ``os.scandir``, and the files of a
-device whose listing is trusted (below) are held open and read with one ``pread`` each
-(``sysfs_files.HeldFiles``: reopened when a device goes or a file is replaced, closed when a
-collection no longer reads them); any other file is one small ``os.read``.
+This runs every 10 s over ~32 devices x ~40 files, so it uses ``os.scandir``, and the sysfs files
+of a device whose listing is trusted (below) are held open and read with one ``pread`` each
+(``sysfs_files.HeldFiles``: reopened when their device is unregistered, let go when a collection
+no longer reads them); any other file is one small ``os.read``.
 
 What cannot change while a device exists is kept between cycles (``_Known``): whether it is an EFA
 (vendor, device id, driver), its canonical PCI id, its resolved directory, and the listing of its
@@ -65,7 +65,7 @@ from typing import Callable
 from healthagent.model import EFA_NOT_COUNTERS, EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
 from healthagent.common import ErrorTally
 from healthagent.sources.base import SourceResult, host_path
-from healthagent.sources.sysfs_files import HeldFiles
+from healthagent.sources.sysfs_files import HeldFiles, read_once
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +208,7 @@ def resolve_in_root(root: str, path: str, touch: FaultHook | None = None) -> str
 
 
 def _read_small(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block the loop
-    try:
-        return os.read(fd, READ_LIMIT)
-    finally:
-        os.close(fd)
+    return read_once(path, READ_LIMIT)  # non-blocking: a FIFO must not block the loop
 
 
 def parse_counter(raw: bytes) -> int | None:

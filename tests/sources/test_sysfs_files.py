@@ -1,9 +1,12 @@
-"""``HeldFiles``: descriptors held between reads show new values, and are let go or opened again
-when the file at the path is no longer the one held.
+"""``HeldFiles``: sysfs attributes held between reads show new values, and are let go or opened
+again when the file at the path is no longer the one held; any other file is read afresh.
 
 Real files only: the kernel's own sysfs (the loopback interface's statistics, and a tap interface
 created through ``/dev/net/tun`` and removed again, where the machine allows it), regular files
-under a tmp directory, and the EFA source over a demo sysfs tree.
+under a tmp directory, and the EFA source over a demo sysfs tree. The demo tree is regular files,
+which are never held; to follow the bookkeeping (sweeps, the limit, a device that goes) over many
+files, some tests hold regular files too (``holdable=ALWAYS``), written in place as kernfs
+regenerates an attribute.
 """
 
 from __future__ import annotations
@@ -36,9 +39,15 @@ def is_open(fd: int) -> bool:
         return False
 
 
+def ALWAYS(fd: int) -> bool:
+    """Hold every regular file (the bookkeeping tests' stand-in for "on sysfs")."""
+    return True
+
+
 def held(files: HeldFiles) -> dict[str, int]:
     """path -> descriptor of every file held now."""
-    return {path: fd for path, (fd, _) in [*files._read.items(), *files._unread.items()]}
+    fds = {**files._read, **files._unread}
+    return {path: fds[path] for path in files.held_paths()}
 
 
 def held_fds(files: HeldFiles) -> list[int]:
@@ -114,45 +123,56 @@ def test_a_device_removed_and_added_again_is_opened_again():
         files.close()
 
 
-# -- regular files (a fake host root) --------------------------------------------------------------
+# -- regular files (a fake host root, the demo node) ----------------------------------------------
 
-def test_a_regular_file_written_in_place_is_read_through_the_same_descriptor(tmp_path):
+def test_a_regular_file_is_never_held_and_a_replaced_one_reads_new(tmp_path):
+    """A regular file can be replaced at its path (the demo node writes by rename): it is opened and
+    read each time, so the new file is what is read and the old inode is not kept; whether it is
+    on sysfs is asked once."""
+    asked = []
+
+    def on_sysfs_counted(fd: int) -> bool:
+        asked.append(fd)
+        return on_sysfs(fd)
+
     path = tmp_path / "tx_bytes"
     path.write_text("1\n")
-    files = HeldFiles("test")
-    assert files.read(str(path), 64) == b"1\n"
-    path.write_text("22\n")
-    assert files.read(str(path), 64) == b"22\n"
-    assert (files.opened, files.reopened) == (1, 0)
-
-
-def test_a_regular_file_replaced_or_removed_at_its_path_is_opened_again(tmp_path):
-    path = tmp_path / "tx_bytes"
-    path.write_text("1\n")
-    files = HeldFiles("test")
-    files.read(str(path), 64)
+    files = HeldFiles("test", holdable=on_sysfs_counted)
     fds = open_fds()
+    assert files.read(str(path), 64) == b"1\n"
     (tmp_path / "new").write_text("2\n")
-    os.replace(tmp_path / "new", path)  # the demo node's atomic write: a new inode at the path
+    os.replace(tmp_path / "new", path)
     assert files.read(str(path), 64) == b"2\n"
-    [fd] = held_fds(files)
-    assert files.reopened == 1 and os.fstat(fd).st_ino == path.stat().st_ino
-    assert open_fds() == fds  # the old descriptor was closed
+    path.write_text("33\n")
+    assert files.read(str(path), 64) == b"33\n"
+    assert (files.held, files.opened, files.unheld_reads, len(asked)) == (0, 0, 3, 1)
+    assert open_fds() == fds
     path.unlink()
     with pytest.raises(FileNotFoundError):
         files.read(str(path), 64)
+
+
+def test_a_held_file_written_in_place_is_read_through_the_same_descriptor(tmp_path):
+    path = tmp_path / "tx_bytes"
+    path.write_text("1\n")
+    files = HeldFiles("test", holdable=ALWAYS)
+    assert files.read(str(path), 64) == b"1\n"
+    path.write_text("22\n")
+    assert files.read(str(path), 64) == b"22\n"
+    assert (files.opened, files.reopened, files.held) == (1, 0, 1)
+    files.close()
     assert files.held == 0
 
 
 def test_a_sweep_closes_what_was_not_read_since_the_previous_one(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).write_text(f"{name}\n")
-    files = HeldFiles("test")
+    files = HeldFiles("test", holdable=ALWAYS)
     files.read(str(tmp_path / "a"), 64)
     files.read(str(tmp_path / "b"), 64)
     files.sweep()
     assert files.held == 2  # both read in the round that just ended
-    fd_b = files._unread[str(tmp_path / "b")][0]
+    fd_b = held(files)[str(tmp_path / "b")]
     assert files.read(str(tmp_path / "a"), 64) == b"a\n"
     files.sweep()  # "b" was not read in this round
     assert files.held == 1 and not is_open(fd_b)
@@ -163,7 +183,7 @@ def test_a_sweep_closes_what_was_not_read_since_the_previous_one(tmp_path):
 def test_only_regular_files_are_held_and_errors_surface_as_open_and_read_raise_them(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "dir").mkdir()
-    files = HeldFiles("test")
+    files = HeldFiles("test", holdable=ALWAYS)
     assert files.read(str(tmp_path / "fifo"), 64) == b""  # no writer: read at once, never blocks
     with pytest.raises(IsADirectoryError):
         files.read(str(tmp_path / "dir"), 64)
@@ -177,7 +197,7 @@ def test_past_the_limit_files_are_read_without_holding_and_the_log_says_so_once(
     for n in range(4):
         paths.append(str(tmp_path / f"c{n}"))
         Path(paths[-1]).write_text(f"{n}\n")
-    files = HeldFiles("efa", limit=2)
+    files = HeldFiles("efa", limit=2, holdable=ALWAYS)
     with caplog.at_level(logging.WARNING, logger="healthagent.sources.sysfs_files"):
         for _ in range(3):
             assert [files.read(p, 64) for p in paths] == [b"0\n", b"1\n", b"2\n", b"3\n"]
@@ -205,30 +225,52 @@ def device_dir(root: Path, name: str) -> Path:
     return (root / "sys" / "class" / "infiniband" / name).resolve()
 
 
+def test_on_the_demo_tree_the_efa_source_holds_nothing_and_reads_what_a_fresh_source_reads(tmp_path):
+    names = write_efa_devices(tmp_path, p5_efa_pci_bus_ids()[:4])
+    source = EfaSource(str(tmp_path))
+    for n in range(3):
+        source.collect(NOW + 10 * n)
+    fds = open_fds()
+    counter = device_dir(tmp_path, names[2]) / "ports" / "1" / "hw_counters" / "rx_drops"
+    (counter.parent / "new").write_text("4242\n")
+    os.replace(counter.parent / "new", counter)  # the demo node's write: a new file at the path
+    cached = source.collect(NOW + 30)
+    assert {s.device: s for s in cached.efa}[names[2]].counters["rx_drops"] == 4242
+    assert cached.efa == EfaSource(str(tmp_path)).collect(NOW + 30).efa
+    assert source._files.held == 0 and open_fds() == fds
+
+
+def holding_efa_source(root: Path, **kwargs) -> EfaSource:
+    """An EFA source that holds the demo tree's regular files as it holds sysfs attributes."""
+    source = EfaSource(str(root), **kwargs)
+    source._files = HeldFiles(source.name, holdable=ALWAYS)
+    return source
+
+
 def test_the_efa_source_holds_a_p5s_counter_files_and_reads_new_values_through_them(tmp_path):
     names = write_efa_devices(tmp_path, p5_efa_pci_bus_ids())
-    source = EfaSource(str(tmp_path))
+    source = holding_efa_source(tmp_path)
     for n in range(2):  # a listing is trusted once two reads agree: nothing held before
         source.collect(NOW + 10 * n)
         assert source._files.held == 0
     source.collect(NOW + 20)
-    held = source._files.held
+    held_now = source._files.held
     # Every counter file of the 32 devices' trusted listings, and each port's state and phys_state.
     files = [f for name in names for d in ("hw_counters", "ports/1/hw_counters")
              for f in (device_dir(tmp_path, name) / d).iterdir() if f.name != "lifespan"]
-    assert held == len(files) + 2 * len(names) > 1000
+    assert held_now == len(files) + 2 * len(names) > 1000
     counter = device_dir(tmp_path, names[5]) / "ports" / "1" / "hw_counters" / "rx_drops"
-    counter.write_text("4242\n")  # in place: the held descriptor reads it
+    counter.write_text("4242\n")  # in place, as kernfs regenerates it: the held descriptor reads it
     sample = {s.device: s for s in source.collect(NOW + 40).efa}[names[5]]
     assert sample.counters["rx_drops"] == 4242
-    assert source._files.reopened == 0 and source._files.held == held
+    assert source._files.reopened == 0 and source._files.held == held_now
     source.close()
     assert source._files.held == 0
 
 
 def test_the_efa_source_lets_a_removed_device_go_and_opens_the_one_added_again(tmp_path):
     names = write_efa_devices(tmp_path, ["0000:4f:00.0", "0000:50:00.0"])
-    source = EfaSource(str(tmp_path))
+    source = holding_efa_source(tmp_path)
     for n in range(3):
         source.collect(NOW + 10 * n)
     per_device = source._files.held // 2
@@ -260,13 +302,13 @@ def test_a_read_error_through_a_held_descriptor_is_the_same_as_before(tmp_path):
         if path in failing:
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
 
-    source = EfaSource(str(tmp_path), fault=fault)
+    source = holding_efa_source(tmp_path, fault=fault)
     for n in range(3):
         source.collect(NOW + 10 * n)
-    held = source._files.held
+    held_now = source._files.held
     failing.add(str(device_dir(tmp_path, names[0]) / "ports" / "1" / "hw_counters" / "tx_pkts"))
     cached = source.collect(NOW + 30)
     fresh = EfaSource(str(tmp_path), fault=fault).collect(NOW + 30)
     assert cached.efa == fresh.efa and "tx_pkts" not in cached.efa[0].counters
     assert cached.health.errors == {"unreadable": 1} and fresh.health.errors == {"unreadable": 1}
-    assert source._files.held == held - 1  # the one file not read this time is let go
+    assert source._files.held == held_now - 1  # the one file not read this time is let go
