@@ -21,6 +21,13 @@ the ~40. So encoding is cached at two levels, both with prometheus_client's own 
 The live registry (collect-duration histogram, build info, training intake) is encoded on every
 scrape. The concatenation is byte-identical to encoding the whole registry at once, because both
 encoders write each family on its own (tests compare the two).
+
+One more saving, with the same bytes: the OpenMetrics encoder that Prometheus 2.x negotiates
+(``escaping=underscores``) runs a Python loop over every character of every sample's name to
+replace characters outside ``[a-zA-Z0-9_]``, about 40% of its time here. For families whose
+names and label names are already in that set (all of ours), its ``allow-utf-8`` escaping writes
+the very same bytes without the loop, so those are encoded with it (``_plain_names_encoder``); any
+other family, and any other encoder, is encoded exactly as negotiated.
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
 from healthagent.model import (
     API_CONDITION_KINDS,
@@ -77,13 +85,6 @@ class TelemetryRegistry(CollectorRegistry):
         yield from super().collect()
 
 
-class _Live:
-    """A registry-shaped view of the live part only (what the encoders call ``collect`` on)."""
-
-    def __init__(self, registry: TelemetryRegistry) -> None:
-        self.collect = registry.collect_live
-
-
 class Telemetry:
     """What the loop talks to: ``observe_collect``, ``publish``; ``registry`` is what is scraped."""
 
@@ -120,20 +121,21 @@ class Telemetry:
         Same bytes as ``encoder(self.registry)``, but each part of the snapshot is encoded again
         only when its input changed (see the module docstring).
         """
-        live = encoder(_Live(self.registry))
+        plain = _plain_names_encoder(encoder)
+        live = _encode_families(encoder, plain, tuple(self.registry.collect_live()))
         snapshot = self._snapshot
         if snapshot is None:
             return live
         eof = live.endswith(OPENMETRICS_EOF)  # OpenMetrics: one # EOF, at the very end
         if eof:
             live = live[: -len(OPENMETRICS_EOF)]
-        body = [live] + [self._encoded_part(part, snapshot, encoder, content_type) for part in SNAPSHOT_PARTS]
+        body = [live] + [self._encoded_part(part, snapshot, encoder, plain, content_type) for part in SNAPSHOT_PARTS]
         if eof:
             body.append(OPENMETRICS_EOF)
         return b"".join(body)
 
     def _encoded_part(self, part: "SnapshotPart", snapshot: AgentSnapshot, encoder: Callable,
-                      content_type: str) -> bytes:
+                      plain: Callable | None, content_type: str) -> bytes:
         key = (part.name, content_type)
         source = part.input(snapshot)
         with self._encoded_lock:
@@ -148,7 +150,7 @@ class Telemetry:
             if before is not None and before[0] == family.key:
                 encoded = before[1]
             else:
-                encoded = _strip_eof(encoder(_Families((family.build(),))))
+                encoded = _strip_eof(_encode_families(encoder, plain, (family.build(),)))
             families_now[family.name] = (family.key, encoded)
             pieces.append(encoded)
         encoded_part = b"".join(pieces)
@@ -156,6 +158,44 @@ class Telemetry:
             self._encoded[key] = (source, encoded_part)
             self._family_bytes[key] = families_now  # families that went away are forgotten
         return encoded_part
+
+
+_PLAIN_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+@lru_cache(maxsize=4096)
+def _plain_name(name: str) -> bool:
+    """In the character set that ``escaping=underscores`` leaves as it is (no colon either: the
+    OpenMetrics encoder replaces a colon in a sample's name)."""
+    return _PLAIN_NAME.fullmatch(name) is not None
+
+
+def _plain_names_encoder(encoder: Callable) -> Callable | None:
+    """The negotiated OpenMetrics ``escaping=underscores`` encoder with ``allow-utf-8`` escaping
+    instead, which writes the same bytes for families with plain names (module docstring); None
+    for any other encoder (or another prometheus_client whose encoder has another shape)."""
+    if (isinstance(encoder, partial) and encoder.func is openmetrics_exposition.generate_latest
+            and not encoder.args and encoder.keywords.get("escaping") == openmetrics_exposition.UNDERSCORES):
+        return partial(encoder.func, **{**encoder.keywords, "escaping": openmetrics_exposition.ALLOWUTF8})
+    return None
+
+
+def _names_are_plain(families: Iterable[Metric]) -> bool:
+    for family in families:
+        if not _plain_name(family.name):
+            return False
+        for sample in family.samples:
+            if (sample.exemplar is not None or getattr(sample, "native_histogram", None) is not None
+                    or not _plain_name(sample.name) or not all(map(_plain_name, sample.labels))):
+                return False
+    return True
+
+
+def _encode_families(encoder: Callable, plain: Callable | None, families: tuple[Metric, ...]) -> bytes:
+    """``families`` encoded as ``encoder`` encodes them, through ``plain`` when it writes the same
+    bytes faster."""
+    chosen = plain if plain is not None and _names_are_plain(families) else encoder
+    return chosen(_Families(families))
 
 
 def _strip_eof(encoded: bytes) -> bytes:

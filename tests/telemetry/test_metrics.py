@@ -307,3 +307,35 @@ def test_promtool_lints_the_exposition(tmp_path, agent):
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == ""
+
+
+# The Accept header Prometheus 2.x sends on a scrape (it negotiates OpenMetrics, escaping=underscores).
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                       "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def test_prometheus_negotiation_takes_the_faster_encoder_with_the_same_bytes():
+    """Every family the agent exports has plain names, so the OpenMetrics encoder Prometheus
+    negotiates is run with allow-utf-8 escaping, and the scrape is still byte for byte what the
+    negotiated encoder writes."""
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.openmetrics import exposition as om
+
+    encoder, content_type = choose_encoder(PROMETHEUS_2_ACCEPT)
+    assert "escaping=underscores" in content_type
+    plain = metrics._plain_names_encoder(encoder)
+    assert plain is not None and plain.keywords["escaping"] == om.ALLOWUTF8
+    telemetry = Telemetry("1")
+    telemetry.publish(demo_snapshot())
+    telemetry.observe_collect("efa", 0.02)
+    assert metrics._names_are_plain(telemetry.registry.collect())
+    assert telemetry.exposition(encoder, content_type) == encoder(telemetry.registry)
+    # A name outside the plain set is encoded as negotiated: the two escapings differ there.
+    odd = GaugeMetricFamily("node:gpu_ratio", "a recording-rule style name", labels=["gpu"])
+    odd.add_metric(["0"], 1.0)
+    assert not metrics._names_are_plain([odd])
+    assert metrics._encode_families(encoder, plain, (odd,)) == encoder(metrics._Families((odd,)))
+    assert plain(metrics._Families((odd,))) != encoder(metrics._Families((odd,)))
+    # Other encoders are left alone.
+    for other in ("", "text/plain;version=0.0.4", "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8"):
+        assert metrics._plain_names_encoder(choose_encoder(other)[0]) is None
