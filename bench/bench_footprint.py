@@ -9,7 +9,8 @@ devices in sysfs, a /dev/kmsg-format kernel log. Two parts:
 1. an hour in fast-forward (in a child process: the agent and the counter moves, nothing else): the real ``Agent`` with
    its real sources on a simulated clock, ``--intervals`` 10 s intervals back to back (360 = one
    hour). Each interval: the EFA traffic counters of every device and two NVML fields move, one full
-   cycle runs (kernel log + NVML + EFA, classify, save state), then ``KMSG_WAKES`` kernel-log-only
+   cycle runs (kernel log + NVML + EFA, classify, save state; after the first, the warm objects are
+   frozen as ``healthagent run`` freezes them, ``agent.freeze_warm_objects``), then ``KMSG_WAKES`` kernel-log-only
    cycles (what each wake-up by a write to the kernel log costs; an idle node has none: the loop
    sleeps until the next collection), then one /metrics render as Prometheus asks for it (its own
    Accept header, which selects OpenMetrics, and gzip, as the server sends it), and one in text
@@ -80,6 +81,7 @@ def fast_forward(intervals: int, work: Path) -> dict:
 
     from prometheus_client.exposition import choose_encoder
 
+    from healthagent.agent import freeze_warm_objects
     from healthagent.config import load_settings
     from healthagent.demo.node import build_demo_root
     from healthagent.demo.stub_setup import use_stub_nvml
@@ -141,6 +143,7 @@ def fast_forward(intervals: int, work: Path) -> dict:
         if step:
             render_text.append(time.perf_counter() - started)
         if step == 0:
+            freeze_warm_objects()  # what the agent's loop does after its first cycle
             rss["first"] = proc_status_kib(os.getpid(), "VmRSS")
             series = Scrape(body.decode()).series()
         if step == min(35, intervals - 1):

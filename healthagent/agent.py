@@ -21,6 +21,7 @@ this module holds the loop's state (the one place with mutable state that lives 
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -376,18 +377,26 @@ class Agent:
         if self.effects_worker is not None:
             self.effects_worker.start()
 
-    def run(self, stop: threading.Event, server: AgentServer | None = None) -> None:
-        """Cycle until ``stop`` is set; then let the write in flight finish and save state."""
+    def run(self, stop: threading.Event, server: AgentServer | None = None, owns_process: bool = False) -> None:
+        """Cycle until ``stop`` is set; then let the write in flight finish and save state.
+
+        ``owns_process``: the agent is the whole process (``healthagent run``), so after its first
+        cycle it freezes what is alive (``freeze_warm_objects``, a process-wide act); the demo and
+        the tests, which run it inside another process, leave the garbage collector alone."""
         self.start_effects()
         self.server = server
         log.info("agent started version=%s node=%s kube=%s host_root=%s", __version__,
                  self.settings.node_name or "-", self.settings.kube, self.settings.host_root)
+        frozen = not owns_process
         while not stop.is_set():
             try:
                 self.cycle()
             except Exception:  # the loop outlives any bug in one cycle; the metric shows it
                 self.loop_errors["cycle"] += 1
                 log.exception("cycle failed")
+            if not frozen and self.cycles:
+                frozen = True
+                freeze_warm_objects()
             if server is not None:
                 server.heartbeat(self.clock())
                 server.set_ready(self.ready)
@@ -405,6 +414,18 @@ class Agent:
         for source in self.event_sources:
             _close(source)
         log.info("agent stopped")
+
+
+def freeze_warm_objects() -> None:
+    """Take every object alive after the first cycle (imported modules, the catalogs, the first
+    snapshot's caches) out of the cyclic garbage collector's full collections (``gc.freeze``).
+
+    Why: a full collection walks every tracked object, about 35,000 in a warm agent, and took
+    10-15 ms on a 2-vCPU node every few minutes, landing inside a cycle or a scrape's render (the
+    render's p99 went from under 8 ms to 20 ms). What is frozen lives as long as the process; an
+    object among them that dies later is still freed by reference counting, only a reference
+    cycle among them would stay (the agent makes none at start-up that it later drops)."""
+    gc.freeze()
 
 
 def _close(source: Source) -> None:

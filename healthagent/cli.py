@@ -363,7 +363,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    runtime.start()
+    runtime.start(owns_process=True)
     while not runtime.stop_event.wait(1.0):
         pass
     runtime.stop()

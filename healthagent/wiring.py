@@ -202,8 +202,8 @@ class AgentRuntime:
         )
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Serve HTTP and run the loop on a background thread."""
+    def start(self, owns_process: bool = False) -> None:
+        """Serve HTTP and run the loop on a background thread (``owns_process``: see ``Agent.run``)."""
         try:
             self.server.start()
         except OSError as exc:  # port in use, address not on this host, name that does not resolve
@@ -211,7 +211,7 @@ class AgentRuntime:
                               f"intake on {':'.join(map(str, self.settings.training_listen_address()))}) "
                               f"({exc.strerror or exc}); choose free ports and an address of this "
                               "host, e.g. --listen 0.0.0.0:9410 --set training_listen=0.0.0.0:9412") from None
-        self._thread = threading.Thread(target=self.agent.run, args=(self.stop_event, self.server),
+        self._thread = threading.Thread(target=self.agent.run, args=(self.stop_event, self.server, owns_process),
                                         name="healthagent-loop", daemon=True)
         self._thread.start()
 

@@ -223,3 +223,23 @@ def test_a_wedged_nvml_is_reported_hung_while_the_loop_goes_on(tmp_path, monkeyp
                 pass
         agent.shutdown(grace_seconds=5)
         running.server.stop()
+
+
+@pytest.mark.parametrize("owns_process", [True, False])
+def test_the_warm_objects_are_frozen_once_after_the_first_cycle_only_by_the_process_owner(tmp_path, monkeypatch,
+                                                                                         owns_process):
+    """``healthagent run`` freezes what is alive after its first cycle (a full garbage collection
+    would walk it all every few minutes); an agent run inside another process (the demo, tests)
+    must leave that process's collector alone."""
+    import healthagent.agent as agent_module
+
+    frozen_after: list[int] = []
+    _, settings = demo_settings(tmp_path, efa_interval_seconds="0.2")
+    running = AgentRuntime(settings)
+    monkeypatch.setattr(agent_module, "freeze_warm_objects", lambda: frozen_after.append(running.agent.cycles))
+    running.start(owns_process=owns_process)
+    try:
+        wait_for(lambda: running.agent.cycles >= 3, what="three cycles")
+    finally:
+        running.stop(grace_seconds=5)
+    assert frozen_after == ([1] if owns_process else [])
