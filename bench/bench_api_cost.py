@@ -17,9 +17,10 @@ Two measurements of the same code, both counted on the fake API server's request
    time healthy, then for the same time after an XID 95 appended to its kernel log; the steady
    count is scaled to an hour.
 
-Requests are grouped by what they are: GET node, LIST nodes (the budget count), WATCH nodes,
-PATCH node (labels, taint), PATCH node/status (conditions), POST event. Extrapolation to a fleet
-is printed for ``--nodes`` agents.
+Requests are grouped by what they are: GET node, LIST nodes (the budget's shared GPU node count),
+WATCH nodes, PATCH node (labels, taint), PATCH node/status (conditions), POST event, and the
+disruption budget's Leases (LIST leases, POST/PUT/GET lease: a slot taken, re-written after the
+node write, given back). Extrapolation to a fleet is printed for ``--nodes`` agents.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ XID_RECORD = ("4,9001,7300000000,-;NVRM: Xid (PCI:0000:86:00): 95, pid='<unknown
 def kind_of(method: str, path: str, query: dict) -> str:
     if path.startswith("/apis/events.k8s.io"):
         return f"{method} event"
+    if path.startswith("/apis/coordination.k8s.io"):
+        return f"{method} leases (list)" if path.endswith("/leases") else f"{method} lease"
     if path.endswith("/status"):
         return f"{method} node/status"
     if path == "/api/v1/nodes":
