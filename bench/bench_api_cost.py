@@ -51,7 +51,8 @@ def kind_of(method: str, path: str, query: dict) -> str:
     if path.startswith("/apis/events.k8s.io"):
         return f"{method} event"
     if path.startswith("/apis/coordination.k8s.io"):
-        return f"{method} leases (list)" if path.endswith("/leases") else f"{method} lease"
+        listing = path.endswith("/leases") and method == "GET"
+        return "GET leases (list)" if listing else f"{method} lease"
     if path.endswith("/status"):
         return f"{method} node/status"
     if path == "/api/v1/nodes":
