@@ -186,9 +186,12 @@ class Classifier:
 
     def _efa_track(self, sample: Any) -> EfaTrack:
         key = efa_key(sample)
-        if key not in self.efa and len(self.efa) >= MAX_TRACKS:
-            self.efa.pop(next(iter(self.efa)))
-        return self.efa.setdefault(key, EfaTrack())
+        track = self.efa.get(key)
+        if track is None:
+            if len(self.efa) >= MAX_TRACKS:
+                self.efa.pop(next(iter(self.efa)))
+            track = self.efa[key] = EfaTrack()
+        return track
 
     def _inventory_is_new(self, collection: Collection, now: float) -> bool:
         """Count the inventory once per new set of samples, not once per kernel-log wake-up."""

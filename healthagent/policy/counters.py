@@ -17,6 +17,10 @@ MAX_POINTS = 512  # a bound on memory per counter, whatever the sample rate
 
 
 def finite(value: object) -> bool:
+    """A real number that is not NaN or infinite (a bool is not a number here)."""
+    kind = type(value)
+    if kind is int or kind is float:  # nearly every call: no isinstance walk
+        return math.isfinite(value)  # type: ignore[arg-type]
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -72,6 +76,9 @@ class CounterSeries:
 
     def _prune(self, now: float, horizon: float) -> None:
         """Keep the points inside the horizon plus the one just before it (the window's baseline)."""
+        points = self.points
+        if len(points) <= MAX_POINTS and (len(points) < 2 or points[1][0] > now - horizon):
+            return  # the usual case: only the baseline is at or before the horizon
         cut = 0
         for i, (t, _) in enumerate(self.points):
             if t <= now - horizon:
@@ -140,6 +147,19 @@ class RatePart:
     label: str
 
 
+def rate_over(series: CounterSeries, t: float, value: float, window: float,
+              per_minute: float) -> tuple[float, float] | None:
+    """Record ``value`` at ``t`` in ``series``; (increase, seconds covered) when the counter grew
+    faster than ``per_minute`` over the last ``window``, else None (also when the sample says
+    nothing new). The one rate test every rule uses; callers pass a finite ``value``."""
+    if series.add(t, value, window) is None:
+        return None
+    increase, covered = series.increase_over(t, window)
+    if over_limit(increase, covered, window, per_minute):
+        return increase, covered
+    return None
+
+
 def rates_over(history: Callable[[str], CounterSeries], t: float, window: float,
                parts: Iterable[RatePart]) -> list[tuple[float, str]]:
     """(increase, evidence) for every part whose counter grew faster than its limit.
@@ -150,11 +170,9 @@ def rates_over(history: Callable[[str], CounterSeries], t: float, window: float,
     for part in parts:
         if part.value is None or not finite(part.value):
             continue
-        series = history(part.series)
-        if series.add(t, part.value, window) is None:
-            continue
-        increase, covered = series.increase_over(t, window)
-        if over_limit(increase, covered, window, part.per_minute):
+        found = rate_over(history(part.series), t, part.value, window, part.per_minute)
+        if found is not None:
+            increase, covered = found
             over.append((increase, f"{part.label} +{increase:.0f} in {duration_words(covered)} "
                                    f"(limit {part.per_minute:g}/min)"))
     return over
@@ -172,7 +190,10 @@ class SeriesTrack:
     series: dict[str, CounterSeries] = field(default_factory=dict)
 
     def counter(self, name: str) -> CounterSeries:
-        return self.series.setdefault(name, CounterSeries())
+        series = self.series.get(name)
+        if series is None:  # not setdefault: that would build a new CounterSeries on every call
+            series = self.series[name] = CounterSeries()
+        return series
 
     def new_sample(self, timestamp: float, now: float) -> float | None:
         """The sample's time (the collection's when it has none), or None when this sample was

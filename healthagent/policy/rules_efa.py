@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from healthagent.model import EfaSample
 from healthagent.policy.book import EVENT, Signal, Where
-from healthagent.policy.counters import RatePart, SeriesTrack, finite, rates_over
+from healthagent.policy.counters import SeriesTrack, finite, rate_over
 from healthagent.policy.findings import FINDINGS, duration_words, steps_for
 from healthagent.policy.settings import Policy
 
@@ -88,6 +88,13 @@ class EfaTrack(SeriesTrack):
         return cls(**cls.base_fields(d, SERIES), exact=exact)
 
 
+def _total(counters: dict[str, Any], names: tuple[str, ...]) -> int | None:
+    """The sum of the named counters the sample has as finite numbers, or None when it has none
+    of them (a counter this driver does not expose, or a value that is no number)."""
+    present = [int(v) for n in names if (v := counters.get(n)) is not None and finite(v)]
+    return sum(present) if present else None
+
+
 def _signal(code: str, device: str, evidence: str, quiet: float, count: int) -> Signal:
     info = FINDINGS[code]
     return Signal(code=code, where=Where(efa_device=device), bad=True, kind=EVENT, action=info.action,
@@ -103,21 +110,23 @@ class EfaRules:
         t = track.new_sample(sample.timestamp, now)
         if t is None:
             return
-        counters = {k: v for k, v in (sample.counters or {}).items() if finite(v)}
+        # Only the counters the rules read are looked at: a port has ~40, the rules use eight, and
+        # this runs for every port on every collection.
+        counters = sample.counters or {}
         yield from self._admin_queue(sample.device, counters, track, t)
         window = self.policy.rate_window_seconds
+        thresholds = self.policy.thresholds
         for code, names, threshold in RATE_RULES:
-            present = [counters[n] for n in names if n in counters]
-            if not present:
+            total = _total(counters, names)
+            if total is None:
                 continue
-            total = sum(int(v) for v in present)
-            per_minute = self.policy.thresholds[threshold]
-            over = rates_over(track.counter, t, window, [RatePart(code, float(total), per_minute, "+".join(names))])
+            per_minute = thresholds[threshold]
+            over = rate_over(track.counter(code), t, float(total), window, per_minute)
             track.note_exact(code, t, total)
-            if over:
-                _, covered = track.counter(code).increase_over(t, window)
+            if over is not None:
+                rough, covered = over
                 base = track.exact_at(code, t - covered)
-                increase = total - base if base is not None and base <= total else int(over[0][0])
+                increase = total - base if base is not None and base <= total else int(rough)
                 evidence = (f"{'+'.join(names)} +{increase} in {duration_words(covered)} "
                             f"(limit {per_minute:g}/min)")
                 yield _signal(code, sample.device, evidence, self.policy.counter_quiet_seconds, increase)
@@ -125,9 +134,9 @@ class EfaRules:
     def _admin_queue(self, device: str, counters: dict[str, Any], track: EfaTrack, t: float) -> Iterator[Signal]:
         """Any rise of no_completion_cmds (a non-zero count on first sight too: the queue has
         already been stopped since the driver loaded). reboot_node: stays until the reboot."""
-        if ADMIN_QUEUE not in counters:
+        current = _total(counters, (ADMIN_QUEUE,))
+        if current is None:
             return
-        current = int(counters[ADMIN_QUEUE])
         previous = track.exact_at(ADMIN_QUEUE, track.counter(ADMIN_QUEUE).points[-1][0]) \
             if track.counter(ADMIN_QUEUE).points else None
         growth = track.counter(ADMIN_QUEUE).add(t, current, self.policy.rate_window_seconds)

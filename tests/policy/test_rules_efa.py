@@ -3,7 +3,7 @@
 import pytest
 
 from healthagent.model import Action, SourceHealth
-from tests.support.policy import verdict_of, T0, classifier, collect, efa, only, policy
+from tests.support.policy import verdict_of, T0, classifier, codes, collect, efa, only, policy
 
 DEVICES = [f"rdmap{79 + i}s0" for i in range(4)]
 
@@ -126,3 +126,16 @@ def test_exact_values_hold_the_same_points_as_the_history_whatever_cut_it():
     note(T0 + 410, 6)
     note(T0 + 405, 7)  # the clock stepped back
     assert track.exact_at(series, T0 + 405) == 7
+
+
+def test_a_value_that_is_no_number_is_skipped_and_the_rest_of_its_rule_still_counts():
+    """Only finite numbers count: a NaN, a bool or text in one counter of a summed rule leaves the
+    other counter judged on its own, and the admin queue ignores what is no count."""
+    clf = classifier()
+    odd = dict(rdma_read_wr_err=float("nan"), no_completion_cmds=True, cmds_err="12")
+    verdicts = [verdict_of(clf, collect(T0 + 30 * i, efa=[efa("rdmap79s0", T0 + 30 * i, rdma_write_wr_err=v, **odd)]))
+                for i, v in enumerate([0, 60, 100, 250])]
+    assert [v.findings for v in verdicts[:3]] == [(), (), ()]
+    finding = only(verdicts[3], "EFA_WR_ERRORS")
+    assert finding.evidence == "rdma_read_wr_err+rdma_write_wr_err +190 in 60 s (limit 100/min)"
+    assert codes(verdicts[3]) == ["EFA_WR_ERRORS"]
