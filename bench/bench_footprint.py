@@ -17,7 +17,10 @@ devices in sysfs, a /dev/kmsg-format kernel log. Two parts:
    0.0.4. It reports RSS after the first interval, after 36 (six minutes) and at the end, the peak
    (VmHWM), the median and p99 of a full cycle and of a kernel-log-only cycle (wall time, and the
    process's CPU time: the periodic sources run on worker threads under a deadline, so the loop
-   thread's own time would miss them), /metrics render times (the first render of a new
+   thread's own time would miss them), the classification's share of a full cycle, a floor (the
+   EFA files alone opened, read, closed and parsed in a bare loop, in the state the cycle found
+   them: each replaced again with the same value first) and the NVML library calls one
+   collection makes, /metrics render times (the first render of a new
    snapshot, and a repeat) and the series count. The process also holds this script's own work
    (moving counters), so its RSS is an upper bound; the soak script (``bench/soak.py``) measures
    the agent alone over real hours. No CPU share is computed from these warm loops: back to back
@@ -75,6 +78,64 @@ def move_counters(demo, step: int) -> None:
     stub_nvml.set_gpu_field(demo.scenario, gpu, "power_mw", 610_000 + 1000 * (step % 50))
 
 
+def efa_files(root: Path) -> list[str]:
+    """Every file the EFA source reads on the demo node each collection: the device's and each
+    port's ``hw_counters``, and each port's ``state`` and ``phys_state``."""
+    class_dir = root / "sys" / "class" / "infiniband"
+    paths = []
+    for entry in sorted(os.listdir(class_dir)):
+        device = os.path.realpath(class_dir / entry)
+        paths += sorted(os.path.join(device, "hw_counters", n) for n in os.listdir(os.path.join(device, "hw_counters")))
+        for port in sorted(os.listdir(os.path.join(device, "ports"))):
+            port_dir = os.path.join(device, "ports", port)
+            paths += sorted(os.path.join(port_dir, "hw_counters", n)
+                            for n in os.listdir(os.path.join(port_dir, "hw_counters")))
+            paths += [os.path.join(port_dir, "state"), os.path.join(port_dir, "phys_state")]
+    return paths
+
+
+def bare_reads(paths: list[str]) -> int:
+    """The floor of an EFA collection on regular files: open, read, close and parse each file,
+    nothing else (no device checks, no error handling, no samples). Returns the values parsed."""
+    from healthagent.sources.efa import READ_LIMIT, parse_counter
+
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+    parsed = 0
+    for path in paths:
+        fd = os.open(path, flags)
+        try:
+            raw = os.read(fd, READ_LIMIT)
+        finally:
+            os.close(fd)
+        parsed += parse_counter(raw) is not None
+    return parsed
+
+
+def nvml_calls_per_collection(source, now: float) -> int:
+    """How many NVML library calls one collection of ``source`` makes (each one a ctypes call
+    through pynvml): counted by wrapping pynvml's functions for that one collection."""
+    import pynvml
+
+    calls = 0
+    originals = {name: fn for name, fn in vars(pynvml).items() if name.startswith("nvml") and callable(fn)}
+
+    def counting(fn):
+        def call(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return fn(*args, **kwargs)
+        return call
+
+    try:
+        for name, fn in originals.items():
+            setattr(pynvml, name, counting(fn))
+        source.collect(now)
+    finally:
+        for name, fn in originals.items():
+            setattr(pynvml, name, fn)
+    return calls
+
+
 def fast_forward(intervals: int, work: Path) -> dict:
     """Part 1, run in a child process; returns the figures as a dict."""
     import gzip
@@ -98,7 +159,20 @@ def fast_forward(intervals: int, work: Path) -> dict:
     agent.start_effects()
     telemetry = runtime.telemetry
 
-    full_wall, full_cpu, idle_wall, idle_cpu = [], [], [], []
+    full_wall, full_cpu, idle_wall, idle_cpu, classify, floor = [], [], [], [], [], []
+    paths = efa_files(demo.root)
+    observe = agent.classifier.observe
+
+    observed: list[float] = []
+
+    def timed_observe(collection):
+        started = time.perf_counter()
+        try:
+            return observe(collection)
+        finally:
+            observed.append(time.perf_counter() - started)
+
+    agent.classifier.observe = timed_observe
     render_first, render_repeat, render_text, sources = [], [], [], {"nvml": [], "efa": [], "kmsg": []}
     openmetrics, openmetrics_type = choose_encoder(PROMETHEUS_ACCEPT)
     text, text_type = choose_encoder("text/plain;version=0.0.4")
@@ -120,6 +194,8 @@ def fast_forward(intervals: int, work: Path) -> dict:
         agent.cycle()
         full_wall.append(time.perf_counter() - started)
         full_cpu.append(time.process_time() - started_cpu)
+        classify.extend(observed[-1:])  # the full cycle's own (kernel-log wakes with nothing new do not classify)
+        observed.clear()
         for name in sources:
             sources[name].append(agent._health[name].duration_seconds)
         for item in agent.scheduled:
@@ -131,6 +207,12 @@ def fast_forward(intervals: int, work: Path) -> dict:
             idle_wall.append(time.perf_counter() - started)
             idle_cpu.append(time.process_time() - started_cpu)
         clock.now += INTERVAL - POLL * (KMSG_WAKES + 1)  # the rest of the 10 s: the histories' windows see real spacing
+        # The floor, in the state the cycle found: the same values written again (the files
+        # replaced as the cycle found them, nothing new for the agent), then the bare reads.
+        move_counters(demo, step)
+        started = time.perf_counter()
+        bare_reads(paths)
+        floor.append(time.perf_counter() - started)
         started = time.perf_counter()
         scrape(openmetrics, openmetrics_type)
         if step:  # the very first scrape encodes everything once; after that, only what changed
@@ -152,9 +234,13 @@ def fast_forward(intervals: int, work: Path) -> dict:
     rss["end"] = proc_status_kib(os.getpid(), "VmRSS")
     rss["peak"] = proc_status_kib(os.getpid(), "VmHWM")
     verdict = agent.verdict.action.value
+    nvml = next(item.source.source for item in agent.scheduled if item.source.name == "nvml")
+    nvml_calls = nvml_calls_per_collection(nvml, clock.now + INTERVAL)
     agent.shutdown(grace_seconds=5)
     return {"intervals": intervals, "rss_kib": rss, "series": series, "verdict": verdict,
             "full_wall": full_wall, "full_cpu": full_cpu, "idle_wall": idle_wall, "idle_cpu": idle_cpu,
+            "classify": classify, "floor": floor, "efa_files": len(paths),
+            "nvml_calls": nvml_calls,
             "render_first": render_first, "render_repeat": render_repeat, "render_text": render_text,
             "sources": sources}
 
@@ -234,6 +320,10 @@ def main() -> None:
                 ["full cycle CPU p50", f"{full_cpu * 1000:.1f} ms"],
                 ["  of which NVML / EFA / kernel log (wall p50)",
                  " / ".join(f"{median(r['sources'][s]) * 1000:.1f}" for s in ("nvml", "efa", "kmsg")) + " ms"],
+                ["  the classification in a full cycle, p50", f"{median(r['classify']) * 1000:.1f} ms"],
+                [f"  floor: open, read, close and parse the {r['efa_files']} EFA files alone, p50",
+                 f"{median(r['floor']) * 1000:.1f} ms"],
+                ["  NVML library calls in one collection (8 GPUs)", r["nvml_calls"]],
                 ["kernel-log-only cycle wall / CPU p50", f"{median(r['idle_wall']) * 1e6:.0f} / {idle_cpu * 1e6:.0f} us"],
                 ["/metrics after new data, Prometheus' Accept (OpenMetrics) + gzip, p50 / p99 / max",
                  ms_p50_p99_max(r["render_first"])],
