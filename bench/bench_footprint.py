@@ -79,17 +79,22 @@ def move_counters(demo, step: int) -> None:
 
 
 def efa_files(root: Path) -> list[str]:
-    """Every file the EFA source reads on the demo node each collection: the device's and each
-    port's ``hw_counters``, and each port's ``state`` and ``phys_state``."""
+    """Every file the EFA source reads on the demo node each collection: the counters in the
+    device's and each port's ``hw_counters`` (not ``lifespan``, a cache setting), and each port's
+    ``state`` and ``phys_state``."""
+    from healthagent.model import EFA_NOT_COUNTERS
+
+    def counters(directory: str) -> list[str]:
+        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n not in EFA_NOT_COUNTERS)
+
     class_dir = root / "sys" / "class" / "infiniband"
     paths = []
     for entry in sorted(os.listdir(class_dir)):
         device = os.path.realpath(class_dir / entry)
-        paths += sorted(os.path.join(device, "hw_counters", n) for n in os.listdir(os.path.join(device, "hw_counters")))
+        paths += counters(os.path.join(device, "hw_counters"))
         for port in sorted(os.listdir(os.path.join(device, "ports"))):
             port_dir = os.path.join(device, "ports", port)
-            paths += sorted(os.path.join(port_dir, "hw_counters", n)
-                            for n in os.listdir(os.path.join(port_dir, "hw_counters")))
+            paths += counters(os.path.join(port_dir, "hw_counters"))
             paths += [os.path.join(port_dir, "state"), os.path.join(port_dir, "phys_state")]
     return paths
 
