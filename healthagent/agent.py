@@ -151,7 +151,11 @@ class Agent:
         wake: Doorbell | None = None,
         data_waiter: Callable[[], DataWaiter | None] | None = None,
         clock: Callable[[], float] = time.time,
+        wall: Callable[[], float] | None = None,
     ) -> None:
+        """``clock`` is the decision clock: every time policy and effects measure a duration on
+        (``clock.DecisionClock`` in ``healthagent run``: it never jumps). ``wall`` is wall time,
+        for what people read (the exporter's last-collection time); None: ``clock`` is both."""
         if len(event_sources) > 1:
             raise ValueError("one event source (the kernel log): the state file keeps one cursor")
         self.settings = settings
@@ -164,6 +168,7 @@ class Agent:
         self.telemetry = telemetry
         self.intake = intake
         self.clock = clock
+        self.wall = wall or clock
         self.boot_id = boot_id
         self.expected_gpus = expected_gpus
         self.expected_efa_devices = expected_efa_devices
@@ -202,9 +207,9 @@ class Agent:
         fresh_periodic = False
         for item in self.scheduled:
             if item.next_due > now + item.interval:
-                # The wall clock was set back (NTP, an operator): a due time further ahead than one
-                # interval cannot be, so it is now. Without this the GPU and EFA sources would
-                # sleep for as long as the clock jumped, and a fault in that time would go unseen.
+                # A clock that went back (an injected one; the decision clock never does): a due
+                # time further ahead than one interval cannot be, so it is now, rather than the
+                # GPU and EFA sources sleeping for as long as the clock jumped.
                 item.next_due = now
             if now >= item.next_due:
                 item.last = self._collect(item.source, now)
@@ -297,7 +302,7 @@ class Agent:
                      ",".join(f"{f.code}:{f.subject}" for f in verdict.findings) or "-")
         if self.intake is not None and verdict.action.needs_node_action and (
                 previous is None or not previous.action.needs_node_action):
-            self.intake.note_fault(verdict.timestamp)
+            self.intake.note_fault(self.wall())  # compared with the ranks' wall-clock reports
         if self.effects_worker is not None:
             self.effects_worker.submit(verdict, tuple(self._health.values()))
 
@@ -305,7 +310,7 @@ class Agent:
         if self.telemetry is None:
             return
         self.telemetry.publish(AgentSnapshot(
-            timestamp=now, gpus=gpus, efa=efa, xid_counts=self.xids.snapshot(),
+            timestamp=self.wall(), gpus=gpus, efa=efa, xid_counts=self.xids.snapshot(),
             health=tuple(self._health.values()), verdict=self.verdict, kube=self.kube_status,
             ready=self.ready, expected_gpus=self.expected_gpus,
             expected_efa_devices=self.expected_efa_devices,

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from healthagent import __version__
 from healthagent.agent import Agent, Scheduled
+from healthagent.clock import STATE_KEY as CLOCK_STATE_KEY
+from healthagent.clock import DecisionClock, fresh_epoch, restore_epoch, saved_epoch
 from healthagent.config import ConfigError, Settings, read_yaml
 from healthagent.sources.base import DeadlineSource, Source, read_boot_id
 
@@ -59,9 +61,11 @@ def expected_inventory(settings: Settings) -> tuple[int | None, int | None]:
 
 
 def build_sources(settings: Settings, on_event: Callable[[], None] | None = None,
-                  kmsg_cursor: KmsgCursor | None = None) -> Sources:
+                  kmsg_cursor: KmsgCursor | None = None, clock: DecisionClock | None = None) -> Sources:
     """The sources the settings ask for. ``on_event``: called by NVML's event thread when an XID
-    arrives (wakes the loop); ``kmsg_cursor``: where the previous run stopped reading."""
+    arrives (wakes the loop); ``kmsg_cursor``: where the previous run stopped reading; ``clock``:
+    the decision clock that NVML's events and the kernel log's records are stamped on (None: each
+    source's own, for a one-off collection)."""
     from healthagent.sources.efa import EfaSource
     from healthagent.sources.kmsg import KmsgSource
 
@@ -73,7 +77,8 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
     if settings.nvml:
         from healthagent.sources.nvml import NvmlSource
 
-        nvml = NvmlSource(expected_gpus=expected_inventory(settings)[0], on_event=on_event)
+        nvml = NvmlSource(expected_gpus=expected_inventory(settings)[0], on_event=on_event,
+                          **({"clock": clock} if clock is not None else {}))
         # The loop drains nvml.take_events() itself (a queue, never a driver call).
         scheduled.append(Scheduled(DeadlineSource(nvml, deadline), settings.nvml_interval_seconds))
     scheduled.append(Scheduled(DeadlineSource(EfaSource(settings.host_root), deadline),
@@ -85,7 +90,8 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
         scheduled.append(Scheduled(DeadlineSource(dcgm, max(deadline, 2 * settings.dcgm_timeout_seconds)),
                                    settings.dcgm_interval_seconds))
     kmsg = KmsgSource(settings.host_root, settings.kernel_log, cursor=kmsg_cursor,
-                      max_records_per_cycle=settings.kmsg_max_records_per_cycle)
+                      max_records_per_cycle=settings.kmsg_max_records_per_cycle,
+                      epoch=clock.epoch if clock is not None else None)
     return Sources(scheduled=scheduled, kernel_log=kmsg, nvml=nvml)
 
 
@@ -152,7 +158,11 @@ class AgentRuntime:
     """Everything ``healthagent run`` starts, built from ``settings``, with start/stop so the
     command, the demo and the tests hold the same object."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], float] | None = None,
+                 wall: Callable[[], float] | None = None) -> None:
+        """``clock``: the decision clock (default: ``DecisionClock`` over this boot's epoch, kept
+        in the state file); ``wall``: wall time for what people read (default ``time.time``, or
+        ``clock`` itself when a caller hands one clock)."""
         from healthagent.effects.state import StateStore
         from healthagent.effects.worker import EffectsWorker
         from healthagent.sources.kmsg import KmsgCursor
@@ -168,12 +178,16 @@ class AgentRuntime:
         from healthagent.sources.kernel_log.wake import Doorbell
 
         wake = Doorbell()  # NVML's event thread and a stop request wake the loop through it
+        boot_id = read_boot_id(settings.host_root)
+        decision_clock = DecisionClock(restore_epoch(self.state.get(CLOCK_STATE_KEY), boot_id, fresh_epoch()))
+        self.state.put(CLOCK_STATE_KEY, saved_epoch(boot_id, decision_clock.epoch))
+        if clock is None:
+            clock, wall = decision_clock, wall or time.time
         cursor = KmsgCursor.from_dict(self.state.get("kmsg_cursor") or {})
-        sources = build_sources(settings, on_event=wake.set, kmsg_cursor=cursor)
+        sources = build_sources(settings, on_event=wake.set, kmsg_cursor=cursor,
+                                clock=decision_clock if clock is decision_clock else None)
         classifier = build_classifier(settings)
         classifier.restore_state(self.state.get("classifier") or {})
-        if classifier.clear_token == "":  # a state file from before the token moved into policy
-            classifier.clear_token = str(self.state.get("clear_handled") or "")
         self.telemetry = Telemetry(__version__)
         self.intake = TrainingIntake(settings.training_max_jobs, settings.training_job_idle_seconds)
         self.telemetry.registry.register(self.intake)
@@ -182,14 +196,13 @@ class AgentRuntime:
         intake_listen = None if settings.training_intake == "off" else settings.training_listen_address()
         self.server = AgentServer(self.telemetry, self.intake, host, port, intake_listen=intake_listen,
                                   access=IntakeAccess(settings.training_intake, settings.training_token))
-        boot_id = read_boot_id(settings.host_root)
         # What the node must have: the settings, else the instance type's row (sources/instance.py).
         expected_gpus, expected_efa_devices = expected_inventory(settings)
         log.info("expected inventory gpus=%s efa_devices=%s", expected_gpus, expected_efa_devices)
         effects = build_effects(settings, self.state)
         worker = None
         if effects is not None:
-            worker = EffectsWorker(effects, boot_id, clock)
+            worker = EffectsWorker(effects, boot_id, clock, wall=wall or clock)
             # The node watch wakes the worker when an operator or another controller changes what
             # the effects own: a clear applies at once, not on the next retry.
             effects.on_change = worker.wake
@@ -197,7 +210,7 @@ class AgentRuntime:
             settings, sources=sources.scheduled, event_sources=[sources.kernel_log], nvml=sources.nvml,
             classifier=classifier, state=self.state, effects_worker=worker, telemetry=self.telemetry,
             intake=self.intake, boot_id=boot_id, expected_gpus=expected_gpus,
-            expected_efa_devices=expected_efa_devices, wake=wake, clock=clock,
+            expected_efa_devices=expected_efa_devices, wake=wake, clock=clock, wall=wall,
             data_waiter=sources.kernel_log.data_waiter,  # the kernel log wakes the loop when written
         )
         self._thread: threading.Thread | None = None

@@ -357,7 +357,9 @@ class DemoNode:
         pci = _xid_pci(self.gpu_pci_bus_ids[gpu])
         existing = self.kernel_log.read_text(encoding="utf-8")
         seq = _last_seq(existing) + 1
-        usec = int((self.uptime_at_build + max(0.0, time.time() - self.built_at)) * 1_000_000)
+        # Stamped on this machine's monotonic clock, as the kernel stamps /dev/kmsg: the agent reads
+        # a record's stamp on the clock it stamps NVML's events with (healthagent/clock.py).
+        usec = max(int(time.monotonic() * 1_000_000), int(self.uptime_at_build * 1_000_000))
         records = []
         if f"NVRM: GPU at PCI:{pci}:" not in existing:
             records.append(kmsg_record(4, seq, usec, f"NVRM: GPU at PCI:{pci}: {self.gpu_uuids[gpu]}"))
@@ -445,14 +447,16 @@ def build_demo_root(root: Path) -> DemoNode:
     root = Path(root).absolute()
     root.mkdir(parents=True, exist_ok=True)
     built_at = time.time()
-    uptime = UPTIME_SECONDS
+    # The demo kernel shares this machine's monotonic clock, as a node's kernel log does the
+    # agent's: its uptime and boot time are this machine's.
+    uptime = time.monotonic()
 
     scenario = root / SCENARIO_FILE
     stub_nvml.copy_demo_scenario(scenario)
     gpus, driver_version = _load_gpus(scenario)
 
     efa_pci_ids = p5_efa_pci_bus_ids()
-    efa_devices = write_efa_devices(root, efa_pci_ids, uptime)
+    efa_devices = write_efa_devices(root, efa_pci_ids)
 
     kernel_log = root / KERNEL_LOG
     records = [kmsg_record(priority, seq, int(seconds * 1_000_000), text, fields)

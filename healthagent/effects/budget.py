@@ -26,7 +26,7 @@ A slot comes back when its holder's node loses the taint (healed, cleared) or no
 disruptive step ahead, or is deleted. A holder that cannot give it back (its agent is gone with
 its node) is *stale*, and an agent that finds every slot held may reclaim one stale slot per
 decision, after one GET of that holder's node: stale means the node is gone (404), or it has
-carried no taint of the agent's for ``SLOT_GRACE_SECONDS`` since the slot was last written (a slot
+carried no taint of the agent's for ``SLOT_GRACE_SECONDS`` of the judging agent's own clock since it first saw the slot at its current version, never by the times the holder wrote (a slot
 is taken a moment BEFORE the node's taint lands, so a young slot without the taint is a decision
 in flight, not a leak). Right after its first node write with a new slot lands, the holder
 rewrites its slot (``renewTime``), and a reclaim that read the slot before that write fails with a

@@ -78,6 +78,11 @@ class BudgetGuard:
         self._renew_due = False  # a slot taken (or its re-write failed): re-write it once the node write lands
         self._upkeep_at: float | None = None  # a failed release/re-write/count: not before this
         self._live: dict[str, tuple[str, float]] = {}  # slot -> (version, until): its holder was live
+        # slot -> (version, since): when this agent first saw the slot at that version, on its
+        # decision clock. A slot's age is judged by what this agent saw, never by the times its
+        # holder wrote (another node's clock, or a forged value).
+        self._first_seen: dict[str, tuple[str, float]] = {}
+        self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
         self.note = ""  # the last look in words, for the log and the Event
 
     def begin(self) -> None:
@@ -193,8 +198,26 @@ class BudgetGuard:
     def _look(self, now: float, consistent: bool = False) -> BudgetView:
         store = self._require_store()
         view = read_view(store.list(consistent), self._selector, self._fraction, self._max_nodes)
-        self._count_due = self._count_due or view.count is None or view.count.due(now)
+        self._count_due = self._count_due or view.count is None or view.count.due(self._wall(now))
+        self._note_ages(view, now)
         return view
+
+    def _wall(self, now: float) -> float:
+        """The wall time at decision time ``now``: what a Lease carries for people and peers."""
+        return now + self.wall_offset
+
+    def _note_ages(self, view: BudgetView, now: float) -> None:
+        """Remember when each held slot was first seen at its current version (decision clock)."""
+        seen = {}
+        for slot in view.held:
+            version, since = self._first_seen.get(slot.name, ("", now))
+            seen[slot.name] = (slot.version, since if version == slot.version else now)
+        self._first_seen = seen
+
+    def _age(self, slot: Slot, now: float) -> float:
+        """How long this agent has seen ``slot`` unchanged (0 when it has not seen it before)."""
+        version, since = self._first_seen.get(slot.name, ("", now))
+        return max(0.0, now - since) if version == slot.version else 0.0
 
     def _take(self, view: BudgetView, now: float) -> Slot | None:
         """This node's slot: one it holds already, a free one, or a stale one reclaimed (after
@@ -209,7 +232,7 @@ class BudgetGuard:
                 index = self._rng.choice(view.free_indexes())
                 existing = view.slot(index)
                 base = existing.lease if existing is not None else new_lease(slot_name(index), store.namespace, "slot")
-                body = held_lease(base, self._node, now, acquired=True)
+                body = held_lease(base, self._node, self._wall(now), acquired=True)
             else:
                 stale = None if judged else self._stale(view, now)
                 judged = True
@@ -218,7 +241,7 @@ class BudgetGuard:
                     return None
                 log.warning("effects node=%s budget=reclaim slot=%s holder=%s: the holder's node is gone or "
                             "carries no taint of the agent's", self._node, stale.name, stale.holder)
-                body = held_lease(stale.lease, self._node, now, acquired=True)
+                body = held_lease(stale.lease, self._node, self._wall(now), acquired=True)
             try:
                 written = store.create(body) if "resourceVersion" not in body["metadata"] else store.replace(body)
             except (Conflict, AlreadyExists):
@@ -230,13 +253,14 @@ class BudgetGuard:
         return None
 
     def _stale(self, view: BudgetView, now: float) -> Slot | None:
-        """One held slot older than ``SLOT_GRACE_SECONDS``, judged by a GET of its holder's node:
-        stale when the node is gone or carries no taint of the agent's. A younger slot is not
-        judged at all: it may be a decision in flight, and in a mass failure every slot is young,
-        so the held-back nodes' first looks read no Node (a node deleted right after taking its
-        slot is reclaimed a minute later)."""
+        """One held slot this agent has seen unchanged for ``SLOT_GRACE_SECONDS`` (on its own clock,
+        not by the times its holder wrote), judged by a GET of its holder's node: stale when the
+        node is gone or carries no taint of the agent's. A younger slot is not judged at all: it
+        may be a decision in flight, and in a mass failure every slot is young, so the held-back
+        nodes' first looks read no Node (a node deleted right after taking its slot is reclaimed
+        a minute later)."""
         candidates = [s for s in view.held if s.holder != self._node and not self._seen_live(s, now)
-                      and (s.since is None or now - s.since >= SLOT_GRACE_SECONDS)]
+                      and self._age(s, now) >= SLOT_GRACE_SECONDS]
         if not candidates:
             return None
         slot = self._rng.choice(candidates)
@@ -272,7 +296,8 @@ class BudgetGuard:
         """Re-write this node's slot. True when another node holds it now. A slot Lease deleted
         by hand is no slot: the next plan asks for another."""
         assert self.slot is not None
-        self.slot, lost = self._write_own(self.slot, lambda lease: held_lease(lease, self._node, now, acquired=False))
+        wall = self._wall(now)
+        self.slot, lost = self._write_own(self.slot, lambda lease: held_lease(lease, self._node, wall, acquired=False))
         self._renew_due = False
         return lost
 
@@ -318,16 +343,17 @@ class BudgetGuard:
         store = self._require_store()
         view = read_view(store.list(consistent=True), self._selector, self._fraction, self._max_nodes)
         count = view.count
-        if count is not None and not count.due(now):
+        wall = self._wall(now)
+        if count is not None and not count.due(wall):
             return
         base = count.lease if count is not None else new_lease(COUNT_LEASE, store.namespace, "count")
         try:
-            claim = claimed_count(base, self._node, now)
+            claim = claimed_count(base, self._node, wall)
             claimed = store.replace(claim) if count is not None else store.create(claim)
         except (Conflict, AlreadyExists):
             return  # another agent re-counts
         nodes = store.count_nodes(self._selector)
-        store.replace(counted(claimed, nodes, self._selector, now))
+        store.replace(counted(claimed, nodes, self._selector, wall))
         log.info("effects node=%s budget=counted gpu_nodes=%d selector=%s", self._node, nodes, self._selector)
 
     # -- small parts -----------------------------------------------------------------------------

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import socket
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -123,7 +122,9 @@ class NodeEffects:
         must only wake the caller. ``watch=False`` keeps the read-on-a-timer behaviour (tests
         that drive time through ``now`` and count every request use it)."""
         self.settings = settings
-        self.node_name = settings.node_name or socket.gethostname()
+        if not settings.node_name:  # in a pod the hostname is the pod's name: never guess the node
+            raise ValueError("NodeEffects acts on one node: settings.node_name must name it")
+        self.node_name = settings.node_name
         self.state = state
         self.record = EffectsRecord.from_state(state.get(STATE_KEY))
         self._clear_token, self._clear_as_of = clear_cut(state.get(CLEAR_CUT_KEY), self.record.clear_token)
@@ -171,21 +172,29 @@ class NodeEffects:
         self._pending = 0
         self._reachable = self.dry_run
         self._rollback = False  # this node's budget slot was reclaimed: back to held NoSchedule
+        self._wall_offset = 0.0  # this step's wall time minus its decision time (``_wall``)
 
     # -- the two entry points ----------------------------------------------------------------------
 
-    def startup(self, now: float, boot_id: str) -> KubeStatus:
+    def startup(self, now: float, boot_id: str, wall: float | None = None) -> KubeStatus:
         """Read the node (the watch's LIST), start the watch, adopt what the node records, deliver
         queued Events. Writes nothing to the node: the first reconcile (right after the loop's
-        first cycle) does, with a verdict in hand."""
+        first cycle) does, with a verdict in hand. ``now`` and ``wall``: as for ``reconcile``."""
+        self._set_wall(now, wall)
         with self._guarded():
             self._startup(now, boot_id)
         return self.status()
 
     def reconcile(self, verdict: Verdict, now: float, boot_id: str,
-                  health: "tuple[SourceHealth, ...] | list[SourceHealth]" = ()) -> KubeStatus:
+                  health: "tuple[SourceHealth, ...] | list[SourceHealth]" = (), wall: float | None = None) -> KubeStatus:
         """Bring the node to the verdict. Never raises. ``health``: the sources' latest health,
-        whose detail says in an ``Unknown`` condition why a subsystem could not be observed."""
+        whose detail says in an ``Unknown`` condition why a subsystem could not be observed.
+
+        ``now`` is the decision clock (``clock.py``), which never jumps: the grace, the resync and
+        the budget's back-offs are measured on it. ``wall`` is the wall time written for people
+        and the API server (``timeAdded``, condition and Event times, Lease times); None: the
+        caller has one clock."""
+        self._set_wall(now, wall)
         with self._guarded():
             self._start_watch()  # a no-op after ``startup``
             self._note_boot(boot_id)
@@ -194,7 +203,7 @@ class NodeEffects:
             self.record.cleared = [k for k in self.record.cleared if k in keys]
             cleared = set(self.record.cleared)
             self.ledger.want(finding_events([f for f in verdict.findings if f.key not in cleared], self.record,
-                                            self.node_name, now))
+                                            self.node_name, self._wall(now)))
             try:
                 self._sync(now)
             except ApiError as exc:
@@ -240,6 +249,15 @@ class NodeEffects:
         ``budget_count_failed``, ``watch_expired``, ...): see ``model.API_CONDITION_KINDS``."""
         return split_api_conditions(self._tally.snapshot())[1]
 
+    def _set_wall(self, now: float, wall: float | None) -> None:
+        """Keep this step's wall time as an offset from its decision time (``_wall``)."""
+        self._wall_offset = 0.0 if wall is None else wall - now
+        self.budget.wall_offset = self._wall_offset
+
+    def _wall(self, now: float) -> float:
+        """The wall time at decision time ``now`` in this step."""
+        return now + self._wall_offset
+
     def _changed(self) -> None:
         with self._arrival_lock:  # the cache already holds the node that changed
             if self._arrival is None and self._clear_pending():
@@ -271,7 +289,7 @@ class NodeEffects:
             self._failed(exc)
             self._start_watch()  # it lists by itself once the API server answers
             return
-        self.facts.observe(node, now, self._verdict)
+        self.facts.observe(node, now, self._verdict, self._wall(now))
         self.budget.startup(node, now)  # which budget slot this node holds (a restart forgets it)
         self._dirty = False
         self._deliver_events(now)
@@ -315,10 +333,10 @@ class NodeEffects:
                                                          self._plan_settings):
                 budget = self.budget.ask(now)
         return plan_node(self._verdict, node, record.taint, record.cleared, budget, self._plan_settings, now,
-                         self._health, self.facts.foreign)
+                         self._health, self.facts.foreign, self._wall(now))
 
     def _observed_plan(self, node: dict, now: float) -> NodePlan:
-        self.facts.observe(node, now, self._verdict)
+        self.facts.observe(node, now, self._verdict, self._wall(now))
         return self._plan(node, now)
 
     # -- writing -----------------------------------------------------------------------------------
@@ -329,7 +347,7 @@ class NodeEffects:
         trusted = node is not None and not self._dirty and self.watching
         if trusted:
             self._last_read = now  # the watch keeps the cache as fresh as a read
-            self.facts.observe(node, now, self._verdict)  # what operators did arrived through the watch
+            self.facts.observe(node, now, self._verdict, self._wall(now))  # operators' acts, via the watch
         if not self._dirty and node is not None and not self._resync_due(now):
             plan = self._plan(node, now)
             if plan.writes == 0:
@@ -378,7 +396,7 @@ class NodeEffects:
     def _commit(self, plan: NodePlan, basis: dict, now: float) -> None:
         """Record what the node now carries (the write succeeded, or nothing differed)."""
         if plan.clear is not None:
-            self.facts.cleared(plan.clear, now, self._verdict)
+            self.facts.cleared(plan.clear, self._wall(now), self._verdict)
         had_taint = bool(owned_taints(basis, self.settings.taint_key))
         want = plan.taint.taint
         recorded = self.record.taint
@@ -390,7 +408,7 @@ class NodeEffects:
                 if plan.clear is None:
                     self.ledger.want([EventSpec(
                         key=f"cleared/{now:.3f}", type=NORMAL, reason="Cleared", action="Cleared",
-                        note="Checks pass again: the agent removed its taint from the node.", at=now)])
+                        note="Checks pass again: the agent removed its taint from the node.", at=self._wall(now))])
         elif recorded is None or recorded.value != want.value:
             self.record.taint = AppliedTaint(want.value, want.effect, now, plan.leading_code)
             log.warning("effects node=%s taint=added value=%s effect=%s finding=%s", self.node_name,
@@ -417,7 +435,7 @@ class NodeEffects:
         log.warning("effects node=%s budget=blocked action=%s %s %s", self.node_name, plan.shown.value,
                     self.budget.note, limits)
         self.ledger.want([budget_held_event(plan.leading_key, plan.shown, plan.leading_code,
-                                            f"{self.budget.note} ({limits})", now)])
+                                            f"{self.budget.note} ({limits})", self._wall(now))])
 
     # -- events ------------------------------------------------------------------------------------
 

@@ -245,14 +245,18 @@ def boot_annotation(node: Mapping, taint: "TaintPlan", findings: Iterable[Findin
     return {}
 
 
-def grace_start(node: Mapping, taint_key: str, value: str, recorded_since: float | None) -> float | None:
-    """When the taint for ``value`` was first applied: the record, else the taint's ``timeAdded``
-    on the node (the agent sets it), so a lost state file does not restart the grace."""
+def grace_start(node: Mapping, taint_key: str, value: str, recorded_since: float | None, now: float,
+                wall: float) -> float | None:
+    """When the taint for ``value`` was first applied, on the decision clock (``clock.py``): the
+    record, else the taint's ``timeAdded`` on the node (the agent sets it), so a lost state file
+    does not restart the grace. ``timeAdded`` is wall time: it is taken as how long ago the taint
+    went on by the wall clock now (``wall``), never less than zero, so a ``timeAdded`` in the future
+    (a clock stepped back, another writer's value) starts the grace now rather than ending it."""
     if recorded_since is not None:
         return recorded_since
     added = [parse_rfc3339(t.get("timeAdded")) for t in owned_taints(node, taint_key) if t.get("value") == value]
     added = [a for a in added if a is not None]
-    return min(added) if added else None
+    return now - max(0.0, wall - min(added)) if added else None
 
 
 def plan_taint(
@@ -486,7 +490,7 @@ def _label_value(text: str) -> str:
 # -- patches ---------------------------------------------------------------------------------------
 
 
-def node_patch(node: Mapping, desired: DesiredNode, taint_key: str, now: float) -> dict | None:
+def node_patch(node: Mapping, desired: DesiredNode, taint_key: str, wall: float) -> dict | None:
     """A strategic-merge patch for the node object (labels, annotations, taints), or None.
 
     ``spec.taints`` is an atomic list in the Node schema, so when the agent's taint changes the
@@ -504,7 +508,7 @@ def node_patch(node: Mapping, desired: DesiredNode, taint_key: str, now: float) 
     if annotation_changes:
         meta["annotations"] = annotation_changes
     patch: dict = {}
-    taints = _taints_after(node, desired.taint, taint_key, now)
+    taints = _taints_after(node, desired.taint, taint_key, wall)
     if taints is not None:
         patch["spec"] = {"taints": taints}
     if not meta and not patch:
@@ -514,8 +518,9 @@ def node_patch(node: Mapping, desired: DesiredNode, taint_key: str, now: float) 
     return patch
 
 
-def _taints_after(node: Mapping, want: TaintSpec | None, taint_key: str, now: float) -> list | None:
-    """The full taint list after the change, or None when the agent's taints are already right."""
+def _taints_after(node: Mapping, want: TaintSpec | None, taint_key: str, wall: float) -> list | None:
+    """The full taint list after the change, or None when the agent's taints are already right
+    (``timeAdded`` is the wall time ``wall``: people and the API read it)."""
     current = list((node.get("spec") or {}).get("taints") or [])
     ours = [t for t in current if t.get("key") == taint_key]
     if want is None:
@@ -524,7 +529,7 @@ def _taints_after(node: Mapping, want: TaintSpec | None, taint_key: str, now: fl
         return [t for t in current if t.get("key") != taint_key]
     if len(ours) == 1 and ours[0].get("value") == want.value and ours[0].get("effect") == want.effect:
         return None
-    entry = {"key": taint_key, "value": want.value, "effect": want.effect, "timeAdded": rfc3339(now)}
+    entry = {"key": taint_key, "value": want.value, "effect": want.effect, "timeAdded": rfc3339(wall)}
     result, placed = [], False
     for taint in current:
         if taint.get("key") != taint_key:
@@ -537,7 +542,7 @@ def _taints_after(node: Mapping, want: TaintSpec | None, taint_key: str, now: fl
     return result
 
 
-def status_patch(node: Mapping, desired: DesiredNode, now: float) -> dict | None:
+def status_patch(node: Mapping, desired: DesiredNode, wall: float) -> dict | None:
     """A strategic-merge patch for ``/status``: only the agent's conditions that differ.
 
     Conditions merge by ``type`` on the server, so other writers' conditions (the kubelet's
@@ -554,11 +559,11 @@ def status_patch(node: Mapping, desired: DesiredNode, now: float) -> dict | None
         if have and (have.get("status"), have.get("reason"), have.get("message")) == (
                 spec.status, spec.reason, spec.message):
             continue
-        transition = rfc3339(now)
+        transition = rfc3339(wall)
         if have and have.get("status") == spec.status and have.get("lastTransitionTime"):
             transition = have["lastTransitionTime"]
         changed.append({"type": spec.type, "status": spec.status, "reason": spec.reason,
-                        "message": spec.message, "lastHeartbeatTime": rfc3339(now),
+                        "message": spec.message, "lastHeartbeatTime": rfc3339(wall),
                         "lastTransitionTime": transition})
     if not changed:
         return None

@@ -51,10 +51,12 @@ class NodeFacts:
         self.vocab = vocab
         self.foreign: frozenset[str] = frozenset()  # condition types another writer owns: left alone
 
-    def observe(self, node: dict, now: float, verdict: Verdict | None) -> None:
+    def observe(self, node: dict, now: float, verdict: Verdict | None, wall: float | None = None) -> None:
         """Adopt what the node records; notice a recreated Node, a taint removed by hand and
-        another writer of the agent's condition types."""
-        self._notice_other_writers(node, now)
+        another writer of the agent's condition types. ``now``: the decision clock (an adopted
+        taint's grace); ``wall``: the wall time Events carry (None: ``now``)."""
+        wall = now if wall is None else wall
+        self._notice_other_writers(node, wall)
         record = self.record
         uid = str((node.get("metadata") or {}).get("uid") or "")
         if uid and record.node_uid and uid != record.node_uid and record.taint is not None:
@@ -68,7 +70,7 @@ class NodeFacts:
             record.clear_token = handled
         ours = owned_taints(node, self.taint_key)
         if ours:
-            self._adopt(node, ours, now)
+            self._adopt(node, ours, now, wall)
         elif record.taint is not None and verdict is not None:
             # gone while the agent still wanted it (a replace taint, a taint action, or a reboot
             # taint held while unobserved): someone removed it by hand
@@ -76,11 +78,11 @@ class NodeFacts:
             awaited = record.taint.value == Action.REBOOT_NODE.value and reboot_outstanding(node)
             if record.taint.value == Action.REPLACE_NODE.value or wanted in TAINT_ACTIONS \
                     or blind_to(verdict, record.taint.code) or awaited:
-                self.cleared(ClearRequest(f"taint-removed-{int(now)}", "taint-removed"), now, verdict)
+                self.cleared(ClearRequest(f"taint-removed-{int(wall)}", "taint-removed"), wall, verdict)
             else:
                 record.taint = None  # our own removal whose reply was lost
 
-    def _notice_other_writers(self, node: dict, now: float) -> None:
+    def _notice_other_writers(self, node: dict, wall: float) -> None:
         """Mark the agent's condition types that another writer owns (once each; never unmarked
         while this agent runs) and say so once."""
         for other in foreign_conditions(node, self.vocab):
@@ -90,21 +92,22 @@ class NodeFacts:
             log.warning("effects node=%s condition=%s left_alone=1 reason=%s: %s; the agent does not write "
                         "it (one writer per condition)", self.node_name, other.type, other.reason or "-",
                         other.why)
-            self.ledger.want([foreign_condition_event(other.type, other.why, now)])
+            self.ledger.want([foreign_condition_event(other.type, other.why, wall)])
 
-    def _adopt(self, node: dict, ours: list[dict], now: float) -> None:
+    def _adopt(self, node: dict, ours: list[dict], now: float, wall: float) -> None:
         main = max(ours, key=lambda t: (t.get("value") == Action.REPLACE_NODE.value, t.get("effect") == NO_EXECUTE))
         value, effect = str(main.get("value") or ""), str(main.get("effect") or "")
         recorded = self.record.taint
         if recorded is None or recorded.value != value:
-            since = grace_start(node, self.taint_key, value, None)
+            since = grace_start(node, self.taint_key, value, None, now, wall)
             self.record.taint = AppliedTaint(value, effect, now if since is None else since)
             log.info("effects node=%s adopted taint from the node value=%s effect=%s", self.node_name, value, effect)
         elif recorded.effect != effect:
             recorded.effect = effect
 
-    def cleared(self, clear: ClearRequest, now: float, verdict: Verdict | None) -> None:
-        """An operator cleared the node: forget the open findings, the taint; say so once."""
+    def cleared(self, clear: ClearRequest, wall: float, verdict: Verdict | None) -> None:
+        """An operator cleared the node: forget the open findings, the taint; say so once (the
+        Event at wall time ``wall``)."""
         keys = [f.key for f in verdict.findings] if verdict else []
         self.record.cleared = list(dict.fromkeys(self.record.cleared + keys))
         self.record.clear_token = clear.token
@@ -116,4 +119,4 @@ class NodeFacts:
         self.ledger.want([EventSpec(
             key=f"cleared/{clear.token}", type=NORMAL, reason="Cleared", action="Cleared",
             note=f"An operator cleared the node ({how}, token {clear.token}); the agent removed its "
-                 f"taint and labels and forgot {len(keys)} open finding(s).", at=now)])
+                 f"taint and labels and forgot {len(keys)} open finding(s).", at=wall)])

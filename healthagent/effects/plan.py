@@ -199,14 +199,22 @@ def pending_taint(decision: Decision, taint_record: AppliedTaint | None, blind: 
 
 def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None, cleared: Iterable[str],
               budget: Budget, settings: PlanSettings, now: float,
-              health: Iterable[SourceHealth] = (), foreign: Iterable[str] = ()) -> NodePlan:
+              health: Iterable[SourceHealth] = (), foreign: Iterable[str] = (), wall: float | None = None) -> NodePlan:
     """The plan for ``node`` (as last read) under ``verdict``; pure. ``foreign``: condition types
-    another writer owns on this node (``NodeFacts.foreign``), which the plan leaves alone."""
+    another writer owns on this node (``NodeFacts.foreign``), which the plan leaves alone.
+
+    ``now`` is the decision clock (``clock.py``: it never jumps), which times the grace; ``wall``
+    the wall time written for people and the API (``timeAdded``, ``lastTransitionTime``); None:
+    the caller has one clock (``now``)."""
+    wall = now if wall is None else wall
     key = settings.taint_key
     decision = decide(verdict, node, taint_record, cleared, key)
     findings, shown, clear = decision.findings, decision.shown, decision.clear
     since = grace_start(node, key, shown.value,
-                        taint_record.since if taint_record and taint_record.value == shown.value else None)
+                        taint_record.since if taint_record and taint_record.value == shown.value else None,
+                        now, wall)
+    if since is not None and since > now:  # a grace cannot have started in the future: it starts now
+        since = now
     held = budget is not Budget.ALLOWS and disruptive_step_ahead(shown, settings)
     taint = plan_taint(action=shown, node=node, taint_key=key, grace_seconds=settings.grace_seconds,
                        since=since, now=now, held=held, reboot_noexecute=settings.reboot_noexecute,
@@ -224,7 +232,7 @@ def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | 
     annotations = {CLEAR_HANDLED_ANNOTATION: clear.token} if clear else {}
     annotations.update(boot_annotation(node, taint, findings))
     desired = DesiredNode(taint=taint.taint, labels=labels, annotations=annotations, conditions=conditions)
-    return NodePlan(desired=desired, node_patch=node_patch(node, desired, key, now),
-                    status_patch=status_patch(node, desired, now), taint=taint, clear=clear,
+    return NodePlan(desired=desired, node_patch=node_patch(node, desired, key, wall),
+                    status_patch=status_patch(node, desired, wall), taint=taint, clear=clear,
                     findings=findings, shown=shown, leading_key=findings[0].key if findings else "",
                     leading_code=leading_code, wants_slot=slot_wanted(shown, node, settings))

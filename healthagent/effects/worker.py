@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Callable, Mapping, Protocol
 
@@ -45,10 +46,10 @@ class Effects(Protocol):
     @property
     def errors(self) -> Mapping[str, int]: ...
 
-    def startup(self, now: float, boot_id: str) -> KubeStatus: ...
+    def startup(self, now: float, boot_id: str, wall: float | None = None) -> KubeStatus: ...
 
     def reconcile(self, verdict: Verdict, now: float, boot_id: str,
-                  health: tuple[SourceHealth, ...] = ()) -> KubeStatus: ...
+                  health: tuple[SourceHealth, ...] = (), wall: float | None = None) -> KubeStatus: ...
 
     def close(self) -> None: ...
 
@@ -68,10 +69,13 @@ class EffectsWorker:
     """
 
     def __init__(self, effects: Effects, boot_id: str, clock: Callable[[], float],
-                 retry_seconds: float = DEFAULT_RETRY_SECONDS) -> None:
+                 retry_seconds: float = DEFAULT_RETRY_SECONDS, wall: Callable[[], float] = time.time) -> None:
+        """``clock``: the decision clock (``clock.py``: it never jumps); ``wall``: wall time, for
+        what the effects write for people and the API server."""
         self._effects = effects
         self._boot_id = boot_id
         self._clock = clock
+        self._wall = wall
         self._retry = retry_seconds
         self._verdict: Verdict | None = None
         self._health: tuple[SourceHealth, ...] = ()
@@ -103,7 +107,7 @@ class EffectsWorker:
 
     def _run(self) -> None:
         try:
-            self.status = self._effects.startup(self._clock(), self._boot_id)
+            self.status = self._effects.startup(self._clock(), self._boot_id, wall=self._wall())
         except Exception:  # the worker must survive anything the API or a bug throws
             self.failures["startup_raised"] += 1
             log.exception("effects startup failed; will retry on the next reconcile")
@@ -115,7 +119,8 @@ class EffectsWorker:
             if verdict is None:
                 continue
             try:
-                self.status = self._effects.reconcile(verdict, self._clock(), self._boot_id, health=health)
+                self.status = self._effects.reconcile(verdict, self._clock(), self._boot_id, health=health,
+                                                      wall=self._wall())
                 self.reconciles += 1
             except Exception:
                 self.failures["reconcile_raised"] += 1

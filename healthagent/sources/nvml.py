@@ -77,8 +77,12 @@ class NvmlSource:
     name = "nvml"
 
     def __init__(self, expected_gpus: int | None = None, on_event: Callable[[], None] | None = None,
-                 init_retry_seconds: float = INIT_RETRY_SECONDS) -> None:
+                 init_retry_seconds: float = INIT_RETRY_SECONDS, clock: Callable[[], float] = time.time) -> None:
+        """``clock`` stamps XID events as they arrive: the agent's decision clock
+        (``healthagent/clock.py``), the one its kernel-log records are stamped on, so one XID
+        reported by both pairs up whatever the wall clock does."""
         self.expected_gpus = expected_gpus
+        self.clock = clock
         self.on_event = on_event
         self.init_retry_seconds = init_retry_seconds
         self.tally = ErrorTally(self.name)
@@ -148,7 +152,7 @@ class NvmlSource:
         samples = enumerated + vanished
         alive = tuple(GpuIdentity(s.index, s.uuid, s.pci_bus_id) for s in enumerated if not s.lost)
         if self._events is None:
-            self._events = XidEventThread(self.tally, self._deliver)
+            self._events = XidEventThread(self.tally, self._deliver, self.clock)
             self._events.start(alive)
         else:
             self._events.update(alive)

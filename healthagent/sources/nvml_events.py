@@ -89,8 +89,10 @@ class XidEventThread:
     failures back off exponentially up to ``EVENT_BACKOFF_MAX_SECONDS``; every failure is counted.
     """
 
-    def __init__(self, tally: ErrorTally, deliver: Callable[[XidEvent], None]) -> None:
+    def __init__(self, tally: ErrorTally, deliver: Callable[[XidEvent], None],
+                 clock: Callable[[], float] = time.time) -> None:
         self._tally = tally
+        self._clock = clock  # stamps each event as it arrives (the agent's decision clock)
         self._deliver = deliver
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -241,7 +243,7 @@ class XidEventThread:
             self._deliver(XidEvent(
                 xid=xid, pci_bus_id=gpu.pci_bus_id if gpu else "",
                 message=f"NVML XID critical error event: Xid {xid}",
-                line=f"nvml event: Xid {xid} on {where}", timestamp=time.time(), source="nvml",
+                line=f"nvml event: Xid {xid} on {where}", timestamp=self._clock(), source="nvml",
                 kind="xid", gpu_index=gpu.index if gpu else None, uuid=gpu.uuid if gpu else "",
                 gpu_instance=_instance(data.gpuInstanceId), compute_instance=_instance(data.computeInstanceId),
             ))

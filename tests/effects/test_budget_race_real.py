@@ -19,7 +19,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from healthagent.effects.budget import COUNT_LEASE, GPU_NODES_ANNOTATION, held_lease, new_lease, slot_name
+from healthagent.effects.budget import (COUNT_LEASE, GPU_NODES_ANNOTATION, SLOT_GRACE_SECONDS, held_lease, new_lease,
+                                        slot_name)
 from healthagent.effects.node_desired import CLEAR_ANNOTATION
 from tests.effects.helpers import T0, TAINT_KEY, XID95, settings_for, start_effects, wait_for
 from tests.support.clusters import RealCluster, ensure_namespace
@@ -226,7 +227,8 @@ def test_a_stale_slot_is_reclaimed_and_a_live_one_is_not(control_plane, unique_n
         cluster.delete_node(gone)
         effects = start_effects(settings_for(tmp_path, me, budget_node_selector=cluster.budget_selector,
                                              budget_namespace=namespace, budget_max_nodes=2), cluster)
-        effects.startup(T0 - 1, "boot-1")
+        # the agent's first look: a slot is judged once this agent has seen it unchanged for the grace
+        effects.startup(T0 - SLOT_GRACE_SECONDS - 1, "boot-1")
         # each look judges one held slot; a live holder is remembered, so two looks judge both
         status = effects.reconcile(XID95, T0, "boot-1")
         if status.budget_blocked:  # it judged the live holder first

@@ -284,33 +284,44 @@ def test_a_slot_reclaimed_before_the_write_landed_sends_the_node_back_to_held_no
 
 @pytest.mark.parametrize("case,reclaimed", [
     ("holder node deleted", True),
-    ("holder without taint, slot older than the grace", True),
-    ("holder without taint, slot younger than the grace (a decision in flight)", False),
-    ("holder node deleted, slot younger than the grace", False),
+    ("holder without taint, slot seen unchanged for longer than the grace", True),
+    ("holder without taint, slot first seen just now (a decision in flight)", False),
+    ("holder node deleted, slot first seen just now", False),
+    ("holder without taint, slot rewritten within the grace", False),
     ("holder with its taint", False),
 ])
 def test_a_full_budget_reclaims_only_a_stale_slot_after_one_get_of_its_holder(tmp_path, cluster, case,
                                                                                reclaimed):
+    """A slot's age is how long THIS agent has seen it at one version, on its own clock: the
+    times the holder wrote in the Lease (here an hour old, or far in the future) count for
+    nothing, so a forged or skewed ``renewTime`` neither frees a slot early nor holds it."""
     peer_holds(cluster, 0, "gpu-node-1")
-    young = "younger" in case
+    young = "just now" in case
     peer_holds(cluster, 1, "gpu-node-2", tainted="with its taint" in case or "deleted" in case,
-               at=T0 - SLOT_GRACE_SECONDS / 2 if young else T0 - 600)
+               at=T0 + 86400 if young else T0 - 3600)
     if "deleted" in case:
         cluster.delete_node("gpu-node-2")
-    agent = started(tmp_path, cluster)
+    agent = start_effects(settings_for(tmp_path, NODE), cluster)
+    agent.startup(T0 - (0 if young else SLOT_GRACE_SECONDS + 1), "boot-1")  # the agent's first look
+    if "rewritten" in case:  # the holder wrote its slot again (same old renewTime): a new version
+        lease = next(x for x in cluster.leases(NAMESPACE) if x["metadata"]["name"] == slot_name(1))
+        cluster.put_lease(NAMESPACE, held_lease(lease, "gpu-node-2", T0 - 3600, acquired=False))
+        agent.startup(T0 - 1, "boot-1")  # a second look sees that version for the first time
     agent.budget._rng.choice = lambda seq: seq[-1]  # judge gpu-node-2's slot
     cluster.reset_log()
     status = agent.reconcile(XID95, T0, "boot-1")
     assert effects(cluster)[NODE] == "NoSchedule" and (held_by(cluster, NODE) == [slot_name(1)]) is reclaimed
     assert status.budget_blocked is (not reclaimed)
     holder_reads = [r for r in cluster.requests("GET", "/api/v1/nodes/") if r.path.endswith("gpu-node-2")]
-    assert len(holder_reads) == (0 if young else 1) and node_lists(cluster) == []  # a young slot is not judged
+    judged = not young and "rewritten" not in case
+    assert len(holder_reads) == int(judged) and node_lists(cluster) == []  # a young slot is not judged
 
 
 def test_a_live_holder_is_not_read_again_for_a_while(tmp_path, cluster):
     for i in (0, 1):
         peer_holds(cluster, i, f"gpu-node-{i + 1}")
-    effects = started(tmp_path, cluster)
+    effects = start_effects(settings_for(tmp_path, NODE), cluster)
+    effects.startup(T0 - SLOT_GRACE_SECONDS - 1, "boot-1")  # both slots seen unchanged past the grace
     effects.reconcile(XID95, T0, "boot-1")
     for _ in range(2):  # two more looks within LIVE_HOLDER_SECONDS
         assert effects.budget_recheck_at < T0 + LIVE_HOLDER_SECONDS

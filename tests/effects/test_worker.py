@@ -43,13 +43,13 @@ class Recorder:
     def __post_init__(self) -> None:
         self.gate.set()
 
-    def startup(self, now: float, boot_id: str) -> KubeStatus:
+    def startup(self, now: float, boot_id: str, wall: float | None = None) -> KubeStatus:
         if self.raise_on_startup:
             raise RuntimeError("startup broke")
         return KubeStatus(mode=self.mode, reachable=True)
 
     def reconcile(self, verdict: Verdict, now: float, boot_id: str,
-                  health: tuple[SourceHealth, ...] = ()) -> KubeStatus:
+                  health: tuple[SourceHealth, ...] = (), wall: float | None = None) -> KubeStatus:
         self.entered.set()
         if not self.gate.wait(LONG):
             raise AssertionError("the test never released the gate")

@@ -70,7 +70,13 @@ class KmsgSource:
 
     def __init__(self, host_root: str, kernel_log: str | None = None, cursor: KmsgCursor | None = None,
                  max_records_per_cycle: int = 50_000, klog: KernelLog | None = None,
-                 klog_poll_seconds: float = KLOG_POLL_SECONDS) -> None:
+                 klog_poll_seconds: float = KLOG_POLL_SECONDS, epoch: float | None = None) -> None:
+        """``epoch``: the agent's decision clock's (``healthagent/clock.py``): a record's kernel
+        stamp (``/dev/kmsg``'s monotonic microseconds, a line's ``[seconds]``) is read as
+        ``epoch + stamp``, on the clock NVML's events are stamped with, so the two pair up
+        whatever the wall clock did. None: the host's boot time (``/proc/stat`` btime), as
+        ``classify`` reads a log on its own."""
+        self.epoch = epoch
         self.host_root = host_root
         self.kernel_log = kernel_log
         self.path = kernel_log or host_path(host_root, DEFAULT_KMSG)
@@ -163,7 +169,8 @@ class KmsgSource:
             if isinstance(exc, InputError) or self.kernel_log or exc.errno not in _FALLBACK_ERRNOS:
                 raise
             reader = self._open_ring(saved, same_boot, exc)
-        self._parser = XidLineParser(self.tally, boot_time=now if boot_time is None else boot_time,
+        stamps_from = self.epoch if self.epoch is not None else (now if boot_time is None else boot_time)
+        self._parser = XidLineParser(self.tally, boot_time=stamps_from,
                                      now=now, boot_id=self._boot_id, repeats=RepeatFolder())
         if reader.keeps_earlier_boots and boot_time is not None:
             # A text file (kern.log, a saved dmesg -T) keeps earlier boots' lines: their XIDs are
