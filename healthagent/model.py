@@ -254,8 +254,10 @@ class Collection:
 class Finding:
     """One thing wrong, with a stable code, the action it demands and evidence in plain words.
 
-    ``key`` identifies the finding across cycles (code + subject) so hysteresis, Events and state
-    can tell "the same incident, still open" from "a new one".
+    ``key`` identifies the finding across cycles (code + subject + ``id``) so hysteresis, Events
+    and state can tell "the same incident, still open" from "a new one". ``id`` is an integer the
+    classifier gives each finding it opens (a counter kept in its state), so two findings never
+    share a key, whatever their times.
     """
 
     code: str
@@ -271,6 +273,7 @@ class Finding:
     count: int = 1
     first_seen: float = 0.0
     last_seen: float = 0.0
+    id: int = 0
 
     @property
     def subject(self) -> str:
@@ -282,7 +285,7 @@ class Finding:
 
     @property
     def key(self) -> str:
-        return f"{self.code}/{self.subject}/{self.first_seen:.3f}"
+        return f"{self.code}/{self.subject}/{self.id}"
 
 
 @dataclass(frozen=True)

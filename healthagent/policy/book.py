@@ -156,6 +156,7 @@ class Entry:
     incident: Incident | None = None  # an XID incident (incidents.py)
     opened: int = 0  # the observation that raised it (FindingBook.observation)
     touched: int = 0  # the last observation that raised or refreshed it
+    id: int = 0  # the finding's id (FindingBook.new_id): part of ``Finding.key``
 
     @property
     def sticky(self) -> bool:
@@ -168,6 +169,7 @@ class Entry:
             next_steps=self.next_steps, gpu_index=self.where.gpu_index,
             pci_bus_id=self.where.pci_bus_id, uuid=self.where.uuid, efa_device=self.where.efa_device,
             xids=self.xids, count=self.count, first_seen=self.first_seen, last_seen=self.last_seen,
+            id=self.id,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,6 +193,7 @@ class Entry:
             quiet_seconds=float(d["quiet_seconds"]), count=int(d["count"]),
             xids=tuple(int(x) for x in d.get("xids", ())), signature=str(d.get("signature", "")),
             incident=incident, opened=int(d.get("opened", 0)), touched=int(d.get("touched", 0)),
+            id=_finding_id(d["id"]),
         )
 
 
@@ -202,6 +205,14 @@ class FindingBook:
     acks: dict[str, str] = field(default_factory=dict)  # condition key -> cleared signature
     survivors: set[str] = field(default_factory=set)  # reboot-class conditions open at the last reboot
     observation: int = 0  # the classifier's current observation (set by it; stamps opened/touched)
+    next_id: int = 1  # the id the next finding opened gets (saved: ids are never reused)
+
+    def new_id(self) -> int:
+        """A finding id no finding of this state has had: a new finding never takes the key of
+        one the effects remember (a cleared one, one already reported)."""
+        self.next_id = max(self.next_id, 1 + max((e.id for e in self.entries.values()), default=0))
+        given, self.next_id = self.next_id, self.next_id + 1
+        return given
 
     # -- signals ----------------------------------------------------------------------------------
 
@@ -261,6 +272,7 @@ class FindingBook:
             next_steps=signal.next_steps, where=signal.where, first_seen=t, last_seen=t,
             kind=signal.kind, quiet_seconds=signal.quiet_seconds, count=signal.count,
             signature=signal.signature, opened=self.observation, touched=self.observation,
+            id=self.new_id(),
         )
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -321,8 +333,8 @@ class FindingBook:
                 fresh = (reopen_incident(entry, as_of) if entry.incident is not None and reopen_incident
                          else _recurrence(entry))
                 if fresh is not None:
-                    fresh.first_seen = _distinct(fresh.first_seen, entry.first_seen)
-                    kept[_free_key(key, entry, fresh, kept, self.entries)] = fresh
+                    fresh.id = self.new_id()
+                    kept[incident_key(key, fresh.id) if fresh.incident is not None else key] = fresh
         self.entries = kept
         self.streaks = {k: v for k, v in self.streaks.items() if k in kept}
         self.survivors.clear()
@@ -349,6 +361,7 @@ class FindingBook:
             "streaks": {k: list(v) for k, v in self.streaks.items()},
             "acks": dict(self.acks),
             "survivors": sorted(self.survivors),
+            "next_id": self.next_id,
         }
 
     @classmethod
@@ -363,6 +376,7 @@ class FindingBook:
             streaks=_items(d.get("streaks", {}), lambda v: [int(v[0]), int(v[1])], problems),
             acks=_items(d.get("acks", {}), as_text, problems),
             survivors=set(_items(_listed(d.get("survivors", []), problems), as_text, problems)),
+            next_id=_next_id(d.get("next_id"), problems),
         )
 
 
@@ -399,22 +413,28 @@ def _recurrence(entry: Entry) -> Entry:
     return replace(entry, first_seen=entry.last_seen, count=1, opened=entry.touched)
 
 
-def _distinct(t: float, old_first_seen: float) -> float:
-    """A reopened finding's first_seen: ``t``, moved on a millisecond when the old finding's key
-    (first_seen to the millisecond) would come back: the effects keep that key as cleared."""
-    return t if f"{t:.3f}" != f"{old_first_seen:.3f}" else t + 0.001
+def incident_key(key: str, finding_id: int) -> str:
+    """The book key of an XID incident: its code and subject, and the id of its finding (several
+    incidents of one code can be open on one GPU)."""
+    return f"{key.rsplit('/', 1)[0]}/{finding_id}"
 
 
-def _free_key(key: str, old: Entry, fresh: Entry, *tables: dict[str, Entry]) -> str:
-    """The book key of a reopened entry: an XID incident's key carries its first_seen."""
-    if old.incident is None:
-        return key
-    slot = key.rsplit("/", 1)[0]
-    first = fresh.first_seen
-    while any(f"{slot}/{first:.3f}" in table for table in tables):
-        first += 0.001
-    fresh.first_seen = first
-    return f"{slot}/{first:.3f}"
+def _finding_id(value: Any) -> int:
+    """A saved finding id: a positive integer, nothing else (a float or text is no id)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"finding id {value!r} is not a positive integer")
+    return value
+
+
+def _next_id(value: Any, problems: list[str]) -> int:
+    """The saved next id, or 1 (``new_id`` never gives one an open finding holds)."""
+    if value is None:
+        return 1
+    try:
+        return _finding_id(value)
+    except ValueError as exc:
+        problems.append(f"book: {exc}"[:120])
+        return 1
 
 
 def _escalated(signal: Signal) -> Signal:

@@ -3,7 +3,7 @@
 A failing GPU makes the driver log a burst (XID 94, 45, 45, 45 ... 154); a node must get one
 Event per incident, not forty. So XIDs on one GPU join the same incident until
 ``incident_quiet_seconds`` of silence (NVIDIA's fleet tooling uses three minutes). The incident's
-finding keeps its ``first_seen`` (so ``Finding.key`` is stable for the whole incident), lists its
+finding keeps its id (so ``Finding.key`` is stable for the whole incident), lists its
 distinct XIDs with counts, and takes the most severe action of its members.
 
 The same XID often arrives twice: from the kernel log and from NVML's event queue, seconds apart
@@ -183,16 +183,13 @@ class XidIncidents:
         incident.changed = True
 
     def _open(self, code: str, where: Where, t: float, book: FindingBook) -> Entry:
-        slot = f"{code}/{where.subject}"
-        first = t
-        while f"{slot}/{first:.3f}" in book.entries:
-            first += 0.001
-        key = f"{slot}/{first:.3f}"
+        finding_id = book.new_id()
+        key = f"{code}/{where.subject}/{finding_id}"
         entry = Entry(code=code, action=Action.NONE, summary="", evidence="", next_steps="", where=where,
-                      first_seen=first, last_seen=first, kind=EVENT,
+                      first_seen=t, last_seen=t, kind=EVENT,
                       quiet_seconds=self.policy.xid_window_seconds, count=0,
                       incident=Incident(earliest=t, latest=t), opened=book.observation,
-                      touched=book.observation)
+                      touched=book.observation, id=finding_id)
         book.entries[key] = entry
         self._bound(code, where.subject, key, book)
         return entry

@@ -82,13 +82,13 @@ def started(tmp_path: Path, fake: KubeFake, node: str = "gpu-node-0", **override
 
 
 def finding(code: str = "GPU_XID", action: Action = Action.REPLACE_NODE, first_seen: float = T0,
-            pci: str = "0000:53:00.0", efa: str = "", xids: tuple = (95,)) -> Finding:
+            pci: str = "0000:53:00.0", efa: str = "", xids: tuple = (95,), finding_id: int = 1) -> Finding:
     return Finding(
         code=code, action=action,
         summary=f"{code} on {pci or efa}",
         evidence=XID95_LINE if xids else "counter rose",
         next_steps="drain and replace the node", pci_bus_id="" if efa else pci, efa_device=efa,
-        xids=xids, first_seen=first_seen, last_seen=first_seen,
+        xids=xids, first_seen=first_seen, last_seen=first_seen, id=finding_id,
     )
 
 

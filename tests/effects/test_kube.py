@@ -313,8 +313,8 @@ def test_the_clear_annotation_flow(tmp_path, cluster):
     again = started(tmp_path, cluster)
     assert again.reconcile(XID95, T0 + 400, "boot-1").clear_token == "ticket-42"
     assert our_taints(cluster.node(NODE)) == []
-    # a new fault (a new finding key) is a new decision
-    status = again.reconcile(verdict(finding(first_seen=T0 + 500)), T0 + 500, "boot-1")
+    # a new fault (a new finding id, so a new key) is a new decision
+    status = again.reconcile(verdict(finding(first_seen=T0 + 500, finding_id=2)), T0 + 500, "boot-1")
     assert status.taint_effect == "NoSchedule"
 
 

@@ -130,3 +130,37 @@ def test_a_wall_clock_set_back_between_the_clear_and_a_new_xid_cannot_hide_the_x
     after = clear(clf, T0 + 2, "ticket-1", seen.observation)
     (kept,) = after.verdict.findings
     assert (kept.gpu_index, kept.action, kept.first_seen) == (3, Action.REPLACE_NODE, T0 + 1)
+
+
+def test_finding_ids_are_integers_never_reused_across_a_clear_or_a_restart():
+    """A finding's key is its code, subject and an integer id from a counter in the classifier's
+    state: an XID that recurs in the same millisecond as the cleared one still gets a key of its
+    own, and a restored classifier never hands out an id an earlier finding had."""
+    clf = classifier()
+    seen = clf.observe(collect(T0, gpus=gpus(), xids=[xid(94, t=T0)])).verdict
+    old = only(seen, "GPU_XID")
+    assert isinstance(old.id, int) and old.id >= 1 and old.key == f"GPU_XID/{old.pci_bus_id}/{old.id}"
+    clf.observe(collect(T0, gpus=gpus(), xids=[xid(94, t=T0)]))  # joins at the same instant
+    new = only(clear(clf, T0, "ticket-1", seen.observation).verdict, "GPU_XID")
+    assert new.first_seen == old.first_seen and new.id > old.id and new.key != old.key
+    state = json.loads(json.dumps(clf.export_state()))
+    restored = classifier()
+    restored.restore_state(state)
+    cleared = clear(restored, T0 + 1, "ticket-2", None)
+    assert cleared.cleared == 1
+    again = only(restored.observe(collect(T0 + 2, gpus=gpus(T0 + 2), xids=[xid(94, t=T0 + 2)])).verdict,
+                 "GPU_XID")
+    assert again.id > new.id
+
+
+def test_a_saved_finding_whose_id_is_not_an_integer_is_dropped_and_counted():
+    clf = classifier()
+    clf.observe(collect(T0, gpus=gpus(), xids=[xid(94, t=T0)]))
+    state = json.loads(json.dumps(clf.export_state()))
+    entries = state["book"]["entries"]
+    for entry in entries.values():
+        entry["id"] = 1.5
+    restored = classifier()
+    restored.restore_state(state)
+    assert restored.restore_errors >= 1
+    assert restored.observe(collect(T0 + 1, gpus=gpus(T0 + 1))).verdict.findings == ()
