@@ -357,18 +357,33 @@ class NodeEffects:
                 return
         if not trusted:
             node = self._read(now)
-        written = self.writer.write_node(node, lambda n: self._observed_plan(n, now), lambda: self._read(now))
-        node, plan, status_ok = written.node, written.plan, False
-        if written.done:  # conditions follow the node write (a pending clear must land first)
-            self._commit(plan, written.basis, now)
+        node, plan, basis, done = self._write_node(node, now)
+        status_ok = False
+        if done:  # conditions follow the node write (a pending clear must land first)
+            self._commit(plan, basis, now)
             if plan.taint.taint is not None:
                 node, plan = self._check_race(node, plan, now)
             node, status_ok = self.writer.write_status(node, plan)
         self._cache.offer(node)
-        self._dirty = not (written.done and status_ok)
-        self._pending = int(not written.done) + int(not status_ok)
-        if written.done:
+        self._dirty = not (done and status_ok)
+        self._pending = int(not done) + int(not status_ok)
+        if done:
             self._settle_budget(node, plan, now)
+
+    def _write_node(self, node: dict, now: float) -> tuple[dict, NodePlan, dict, bool]:
+        """Plan against ``node`` (the budget asked here, before the write, when the plan needs
+        it) and write until the plan lands; on a conflict, back off (the writer), take the fresh
+        node (the conflict's, else a read) and plan again, at most ``max_attempts`` times.
+        (the node after, the plan written, the node it was made against, whether it landed)."""
+        for attempt in range(self.writer.max_attempts):
+            plan = self._observed_plan(node, now)
+            written = self.writer.write_node(node, plan, attempt)
+            if written.landed:
+                assert written.node is not None
+                return written.node, plan, node, True
+            node = written.node if written.node is not None else self._read(now)
+        self.writer.gave_up()
+        return node, self._observed_plan(node, now), node, False
 
     def _settle_budget(self, node: dict, plan: NodePlan, now: float) -> None:
         """The budget slot in step with the plan (no request when it already is); a slot found
@@ -388,10 +403,10 @@ class NodeEffects:
         if not self.budget.slot_lost(now):
             return node, plan
         self._rollback = True  # stays set until the rollback lands
-        undone = self.writer.write_node(node, lambda n: self._observed_plan(n, now), lambda: self._read(now))
-        if undone.done:
-            self._commit(undone.plan, undone.basis, now)
-        return undone.node, undone.plan
+        node, plan, basis, done = self._write_node(node, now)
+        if done:
+            self._commit(plan, basis, now)
+        return node, plan
 
     def _commit(self, plan: NodePlan, basis: dict, now: float) -> None:
         """Record what the node now carries (the write succeeded, or nothing differed)."""

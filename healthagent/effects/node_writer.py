@@ -1,8 +1,8 @@
-"""Writing one plan to the node: the node patch until it lands or conflicts run out, then status.
+"""Writing one plan to the node: the node patch, then status.
 
 A node write carries preconditions on what it replaces (``effects/backend.py``); when one fails
-(a foreign taint changed meanwhile) the writer backs off with jitter, takes the fresh node, lets
-the caller plan again and retries, at most ``max_attempts`` times per reconcile. The ``/status``
+(a foreign taint changed meanwhile) the writer backs off with jitter and hands back the fresh
+node; the caller plans again and retries, at most ``max_attempts`` times per reconcile. The ``/status``
 patch has no precondition and is sent once. Every write is counted by (kind, result) for
 ``healthagent_kube_writes_total``; nothing is counted in dry-run.
 """
@@ -27,16 +27,18 @@ BACKOFF_CAP_SECONDS = 3.2
 
 @dataclass(frozen=True)
 class NodeWrite:
-    """The outcome of ``write_node``: the node after it, the plan written, the node that plan was
-    made against, and whether the node now matches the plan."""
+    """The outcome of one ``write_node``: the node after it (the reply; on a conflict the fresh
+    node the conflict carried, None when it carried none) and whether the plan landed."""
 
-    node: dict
-    plan: NodePlan
-    basis: dict
-    done: bool
+    node: dict | None
+    landed: bool
 
 
 class NodeWriter:
+    """Sends what a plan says and nothing else: it plans nothing and calls nothing back. The
+    caller (``NodeEffects``) owns the loop: plan against a node, write, and on a conflict plan
+    again against the fresh node (asking the budget there, before a write, never inside one)."""
+
     def __init__(self, backend: Any, *, node_name: str, tally: ErrorTally, sleep: Callable[[float], None],
                  rng: random.Random, max_attempts: int, dry_run: bool) -> None:
         self._backend = backend
@@ -48,22 +50,21 @@ class NodeWriter:
         self._dry_run = dry_run
         self.writes: Counter = Counter()
 
-    def write_node(self, node: dict, plan_for: Callable[[dict], NodePlan],
-                   reread: Callable[[], dict]) -> NodeWrite:
-        """Plan against ``node`` and PATCH until it matches; on a conflict back off, take the
-        fresh node (the conflict's, else ``reread()``), plan again. API errors other than a
-        conflict are counted and raised (the desired state stays pending)."""
-        plan = plan_for(node)
-        for attempt in range(self.max_attempts):
-            if plan.node_patch is None:
-                return NodeWrite(node, plan, node, True)
-            reply = self._attempt("node", self._backend.patch_node, (plan.node_patch, node), attempt)
-            if not isinstance(reply, Conflict):
-                return NodeWrite(reply, plan, node, True)
-            node = reread() if reply.node is None else reply.node
-            plan = plan_for(node)
+    def write_node(self, node: dict, plan: NodePlan, attempt: int) -> NodeWrite:
+        """PATCH ``plan``'s node patch (made against ``node``) once. A conflict is counted and
+        backed off (``attempt``: how many came before in this reconcile) and returned as not
+        landed, with the fresh node when the conflict carried one. Other API errors are counted
+        and raised (the desired state stays pending)."""
+        if plan.node_patch is None:
+            return NodeWrite(node, True)
+        reply = self._attempt("node", self._backend.patch_node, (plan.node_patch, node), attempt)
+        if isinstance(reply, Conflict):
+            return NodeWrite(reply.node, False)
+        return NodeWrite(reply, True)
+
+    def gave_up(self) -> None:
+        """The caller's conflicts ran out (``max_attempts``) in this reconcile."""
         self._exhausted("node")
-        return NodeWrite(node, plan, node, False)
 
     def write_status(self, node: dict, plan: NodePlan) -> tuple[dict, bool]:
         """PATCH the plan's conditions on ``/status``: merged by type, with no precondition, so
