@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from healthagent.effects.events import micro_time
-from healthagent.effects.node_desired import parse_rfc3339
+from healthagent.effects.api_time import parse_rfc3339
 
 SLOT_PREFIX = "healthagent-budget-slot-"
 COUNT_LEASE = "healthagent-budget-count"

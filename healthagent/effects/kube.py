@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -66,6 +65,8 @@ from healthagent.effects.backend import (
 )
 from healthagent.effects.budget_guard import BudgetGuard
 from healthagent.effects.budget_leases import LeaseStore, agent_namespace
+from healthagent.effects.clear_cut import STATE_KEY as CLEAR_STATE_KEY
+from healthagent.effects.clear_cut import ClearCut
 from healthagent.effects.conditions import identify, vocabulary
 from healthagent.effects.events import (
     EVENTS_NAMESPACE,
@@ -90,7 +91,6 @@ log = logging.getLogger(__name__)
 RESYNC_SECONDS = 60.0  # with the watch down or off: re-read the node this often (operator actions)
 BUDGET_RECHECK_SECONDS = 30.0  # while over budget, look for a free slot this often (+-50% jitter, stretching)
 MAX_ATTEMPTS = 6  # writes per object per reconcile before giving up until the next one
-CLEAR_CUT_KEY = "effects_clear"  # state key: {"token", "as_of"}: the verdict the last clear acted on
 
 
 class NodeEffects:
@@ -127,11 +127,7 @@ class NodeEffects:
         self.node_name = settings.node_name
         self.state = state
         self.record = EffectsRecord.from_state(state.get(STATE_KEY))
-        self._clear_token, self._clear_as_of = clear_cut(state.get(CLEAR_CUT_KEY), self.record.clear_token)
-        # The verdict the effects held when the watch saw the node change (an operator's clear
-        # arriving): the clear is applied against it, even in a later step (see ``_clearing``).
-        self._arrival: Verdict | None = None
-        self._arrival_lock = threading.Lock()
+        self._clear = ClearCut(state.get(CLEAR_STATE_KEY), self.record.clear_token)
         self.ledger = EventLedger(self.record.emitted, self.record.outbox)
         self.dry_run = api_client is None
         self._tally = ErrorTally("kube")
@@ -198,7 +194,8 @@ class NodeEffects:
         with self._guarded():
             self._start_watch()  # a no-op after ``startup``
             self._note_boot(boot_id)
-            self._verdict, self._health = self._clearing(verdict), tuple(health)
+            self._verdict = self._clear.verdict_for(verdict, self._clear_pending())
+            self._health = tuple(health)
             keys = {f.key for f in verdict.findings}
             self.record.cleared = [k for k in self.record.cleared if k in keys]
             cleared = set(self.record.cleared)
@@ -259,9 +256,7 @@ class NodeEffects:
         return now + self._wall_offset
 
     def _changed(self) -> None:
-        with self._arrival_lock:  # the cache already holds the node that changed
-            if self._arrival is None and self._clear_pending():
-                self._arrival = self._verdict
+        self._clear.arrived(self._verdict, self._clear_pending())  # the cache holds the changed node
         callback = self.on_change
         if callback is not None:
             callback()
@@ -503,27 +498,6 @@ class NodeEffects:
                 log.info("effects node=%s boot changed %s -> %s", self.node_name, self.record.boot_id, boot_id)
             self.record.boot_id = boot_id
 
-    def _clearing(self, verdict: Verdict) -> Verdict:
-        """The verdict a step works against: the one handed over, except while an operator's clear
-        is on the node and not applied yet: then the one the effects held when the watch saw it
-        arrive. A clear takes away what was open when the operator cleared, not what the loop
-        found in the seconds the effects took to get to it (a slow API server, a write that
-        conflicts): a finding of those seconds stays, and the step after this one acts on it."""
-        with self._arrival_lock:
-            arrival = self._arrival
-        return arrival if arrival is not None and self._clear_pending() else verdict
-
-    def _note_clear(self) -> None:
-        """A clear applied in this step (the record's token changed) names this step's verdict
-        (``_clearing``) as its cut-off: the loop hands that to policy with the token, and policy
-        closes only what was open then (the loop learns of the clear only when this step ends)."""
-        token = self.record.clear_token
-        if token != self._clear_token:
-            self._clear_token = token
-            self._clear_as_of = (self._verdict.observation or None) if self._verdict is not None else None
-            with self._arrival_lock:
-                self._arrival = None
-
     def _clear_pending(self) -> bool:
         """Does the node as last seen show a clear not applied yet (the annotation with a new
         token, or the agent's confirmed taint gone)?"""
@@ -532,11 +506,9 @@ class NodeEffects:
             self.record.taint is not None and not owned_taints(node, self.settings.taint_key)))
 
     def _save(self) -> None:
-        self._note_clear()
-        with self._arrival_lock:
-            if not self._clear_pending():  # none arrived, or the operator took it back
-                self._arrival = None
-        self.state.put(CLEAR_CUT_KEY, {"token": self._clear_token, "as_of": self._clear_as_of})
+        self._clear.note(self.record.clear_token, self._verdict)
+        self._clear.settle(self._clear_pending())
+        self.state.put(CLEAR_STATE_KEY, self._clear.to_state())
         ledger = self.ledger.to_state()
         self.record.emitted, self.record.outbox = ledger["emitted"], ledger["outbox"]
         if self.dry_run:
@@ -545,22 +517,14 @@ class NodeEffects:
         self.state.flush()
 
     def status(self) -> KubeStatus:
-        self._note_clear()  # the token and its cut-off are reported together
+        self._clear.note(self.record.clear_token, self._verdict)  # the token and its cut-off, together
         effects = {t.get("effect") for t in owned_taints(self._cache.get() or {}, self.settings.taint_key)}
         effect = NO_EXECUTE if NO_EXECUTE in effects else (next(iter(effects)) if effects else "")
         return KubeStatus(
             mode=self.mode, reachable=self._reachable, taint_effect=effect,
             budget_blocked=self.record.budget_blocked, budget_blocked_total=self.record.budget_blocked_total,
             writes=dict(self.writer.writes), pending_writes=self._pending + len(self.ledger.outbox),
-            clear_token=self.record.clear_token, clear_as_of=self._clear_as_of,
+            clear_token=self.record.clear_token, clear_as_of=self._clear.as_of,
             watching=self.watching, api_errors=self.api_errors,
         )
 
-
-def clear_cut(saved: Any, token: str) -> tuple[str, int | None]:
-    """(token, cut-off) as saved, when the save belongs to the record's token; else unknown."""
-    if isinstance(saved, dict) and saved.get("token") == token:
-        as_of = saved.get("as_of")
-        if isinstance(as_of, int) and not isinstance(as_of, bool) and as_of > 0:
-            return token, as_of
-    return token, None

@@ -45,7 +45,6 @@ from healthagent.effects.node_desired import (
     boot_annotation,
     carries_no_execute,
     grace_start,
-    node_patch,
     not_observed_conditions,
     observed_by,
     owned_taints,
@@ -53,8 +52,8 @@ from healthagent.effects.node_desired import (
     plan_labels,
     plan_taint,
     reboot_outstanding,
-    status_patch,
 )
+from healthagent.effects.node_patch import node_patch, status_patch
 from healthagent.effects.record import AppliedTaint
 from healthagent.model import Action, Finding, SourceHealth, Verdict
 

@@ -27,7 +27,8 @@ from healthagent.effects.budget import (
     slot_name,
 )
 from healthagent.effects.budget_guard import LIVE_HOLDER_SECONDS
-from healthagent.effects.node_desired import CLEAR_ANNOTATION, HEALTH_LABEL, HYPERPOD_HEALTH_LABEL, rfc3339
+from healthagent.effects.node_desired import CLEAR_ANNOTATION, HEALTH_LABEL, HYPERPOD_HEALTH_LABEL
+from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action
 from tests.effects.helpers import (HEALTHY, T0, TAINT_KEY, XID95, condition, finding, our_taints, settings_for,
                                    start_effects, started, verdict)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from healthagent.clock import DecisionClock, fresh_epoch, restore_epoch, saved_epoch
-from healthagent.effects.node_desired import parse_rfc3339
+from healthagent.effects.api_time import parse_rfc3339
 from tests.effects.helpers import T0, XID95, our_taints, settings_for, start_effects
 from tests.support.wait import wait_for
 

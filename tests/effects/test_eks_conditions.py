@@ -21,7 +21,8 @@ from healthagent.effects.conditions import (
     foreign_conditions,
     vocabulary,
 )
-from healthagent.effects.node_desired import CLEAR_ANNOTATION, rfc3339
+from healthagent.effects.node_desired import CLEAR_ANNOTATION
+from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action, Finding, Verdict
 from healthagent.policy.findings import FINDING_CODES
 from tests.effects.helpers import T0, TAINT_KEY, settings_for, start_effects

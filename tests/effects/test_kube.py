@@ -17,8 +17,8 @@ from healthagent.effects.node_desired import (
     HYPERPOD_FAULT_REASONS_LABEL,
     HYPERPOD_FAULT_TYPES_LABEL,
     HYPERPOD_HEALTH_LABEL,
-    rfc3339,
 )
+from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action
 from tests.effects.helpers import (
     HEALTHY,

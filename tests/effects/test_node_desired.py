@@ -15,19 +15,17 @@ from healthagent.effects.node_desired import (
     TaintSpec,
     condition_of,
     health_value,
-    node_patch,
     boot_annotation,
     not_observed_conditions,
     observed_by,
     owned_view,
-    parse_rfc3339,
     plan_conditions,
     plan_labels,
     plan_taint,
     reboot_outstanding,
-    rfc3339,
-    status_patch,
 )
+from healthagent.effects.api_time import parse_rfc3339, rfc3339
+from healthagent.effects.node_patch import node_patch, status_patch
 from healthagent.effects.conditions import vocabulary
 from healthagent.model import Action, SourceHealth
 from tests.effects.helpers import T0, TAINT_KEY, finding

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from healthagent.effects.node_desired import CLEAR_ANNOTATION, CLEAR_HANDLED_ANNOTATION, HEALTH_LABEL, rfc3339
+from healthagent.effects.node_desired import CLEAR_ANNOTATION, CLEAR_HANDLED_ANNOTATION, HEALTH_LABEL
+from healthagent.effects.api_time import rfc3339
 from healthagent.effects.node_desired import HYPERPOD_HEALTH_LABEL
 from healthagent.effects.plan import Budget, PlanSettings, needs_budget, plan_node
 from healthagent.effects.record import AppliedTaint

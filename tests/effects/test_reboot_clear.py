@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from healthagent.effects.node_desired import HEALTH_LABEL, TAINT_BOOT_ANNOTATION, rfc3339
+from healthagent.effects.node_desired import HEALTH_LABEL, TAINT_BOOT_ANNOTATION
+from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action, Finding, Verdict
 from tests.effects.helpers import T0, TAINT_KEY, start_effects
 from tests.effects.test_eks_conditions import real_cluster, settings_on

@@ -15,8 +15,8 @@ from healthagent.effects.node_desired import (
     CLEAR_HANDLED_ANNOTATION,
     HEALTH_LABEL,
     HYPERPOD_HEALTH_LABEL,
-    rfc3339,
 )
+from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action, Finding, Verdict
 from tests.effects.helpers import TAINT_KEY, T0, Wakes, settings_for, start_effects, wait_for
 from tests.support.clusters import NOT_READY, READY, FakeCluster, LabelChurn, RealCluster
