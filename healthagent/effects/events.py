@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from healthagent.effects.record import EffectsRecord
 from healthagent.model import Action, Finding
 
 log = logging.getLogger(__name__)
@@ -66,30 +65,6 @@ def escalation_event(finding: Finding, previous: Action, now: float) -> EventSpe
                      reason=finding.code, action="Escalated",
                      note=_finding_note(finding, f"escalated from {previous.value} to "
                                                  f"{finding.action.value}: "), at=now)
-
-
-def finding_events(findings: Iterable[Finding], record: "EffectsRecord", node_name: str,
-                   now: float) -> list[EventSpec]:
-    """The Event that first reports each new finding, and one for each finding whose action
-    became more severe than the one last reported (XID 79 then 94 on one GPU: one incident,
-    reboot_node then replace_node). A finding whose action falls back is not reported again.
-    ``record.reported`` remembers what was reported, across restarts."""
-    specs = []
-    for finding in findings:
-        try:
-            before: Action | None = Action(record.reported.get(finding.key))
-        except ValueError:  # never reported, or an action this version does not know
-            before = None
-        if before is None:
-            specs.append(finding_event(finding, now))
-        elif finding.action.severity > before.severity:
-            log.warning("effects node=%s finding=%s escalated from=%s to=%s", node_name,
-                        finding.code, before.value, finding.action.value)
-            specs.append(escalation_event(finding, before, now))
-        else:
-            continue
-        record.note_reported(finding.key, finding.action.value)
-    return specs
 
 
 def foreign_condition_event(ctype: str, why: str, now: float) -> EventSpec:

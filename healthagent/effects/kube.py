@@ -15,26 +15,13 @@ as they happen, and one that touches what the agent owns or the clear annotation
 one open watch. While the watch is down, the effects fall back to reading the node before
 planning, at most every ``resync_seconds``; a conflict on a write always takes a fresh node.
 
-One reconcile:
-  1. queue an Event for every open finding not reported yet, and one more when a finding's action
-     became more severe (an escalation: one Event per finding and action; the record and the
-     ledger make it once, the Event's deterministic name once across a lost state write);
-  2. with the watch live, notice in the cached node what operators did (the
-     ``healthagent.io/clear`` annotation, the agent's taint removed by hand, a recreated Node
-     object) and adopt what the node records;
-  3. if the plan against the cached node needs no write (and, with the watch down, the resync
-     interval has not passed), stop: a steady state costs no request at all;
-  4. plan against the cached node (watch live) or a fresh read (watch down), noticing as in 2:
-     one plan per attempt (``effects/plan.py``, pure; the budget asked first, only while the node
-     holds no slot and its plan has a disruptive step ahead); ``NodeWriter`` writes
-     labels/annotations/taints (a JSON patch whose ``test`` operations pin what it replaces; a
-     conflict -> the fresh node, a new plan, a retry with bounded exponential backoff and jitter),
-     then the conditions (``/status``, merged by type, no precondition); ``BudgetGuard`` takes a
-     slot of the disruption budget when the node is first tainted (NoSchedule needs none; the
-     disruptive steps after the grace do), re-writes it once that write lands (the node goes back
-     to held NoSchedule if the slot was reclaimed meanwhile), and gives it back once the node
-     carries no agent taint;
-  5. deliver the queued Events, save the record to the state file.
+One reconcile: queue an Event for each finding not reported yet or escalated; step against the
+node (the cached one while the watch is live and nothing is pending, else a read); stop when the
+plan needs no write (a steady state costs no request); otherwise ask the budget first when the
+step needs it, write the node patch (``test`` operations pin what it replaces; a conflict -> the
+fresh node, a new step, a retry with backoff), keep the landed state, re-write a new budget slot
+(a reclaim meanwhile rolls the node back to held NoSchedule), write the conditions, settle the
+slot; deliver the queued Events and save the state. docs/design.md draws it.
 
 What the verdict could not see (``Verdict.unobserved``) is never taken for health: a condition
 without findings whose area is unobserved says ``Unknown`` (``GpuNotObserved``,
@@ -50,6 +37,7 @@ import contextlib
 import logging
 import random
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from healthagent.config import Settings
@@ -68,21 +56,24 @@ from healthagent.effects.budget_leases import LeaseStore, agent_namespace
 from healthagent.effects.clear_cut import STATE_KEY as CLEAR_STATE_KEY
 from healthagent.effects.clear_cut import ClearCut
 from healthagent.effects.conditions import identify, vocabulary
-from healthagent.effects.events import (
-    EVENTS_NAMESPACE,
-    NORMAL,
-    EventLedger,
-    EventSpec,
-    budget_held_event,
-    event_body,
-    finding_events,
-)
+from healthagent.effects.events import EVENTS_NAMESPACE, EventLedger, EventSpec, event_body
 from healthagent.effects.node_desired import NO_EXECUTE, owned_taints, owned_view
-from healthagent.effects.node_facts import NodeFacts
 from healthagent.effects.node_watch import BACKOFF_SECONDS, WATCH_TIMEOUT_SECONDS, NodeCache, NodeWatch
 from healthagent.effects.node_writer import NodeWriter
-from healthagent.effects.plan import Budget, NodePlan, PlanSettings, clear_request, needs_budget, plan_node
-from healthagent.effects.record import STATE_KEY, AppliedTaint, EffectsRecord
+from healthagent.effects.plan import Budget, NodePlan, PlanSettings, clear_request
+from healthagent.effects.record import STATE_KEY, EffectsState, saved_part
+from healthagent.effects.step import (
+    WARNING,
+    Note,
+    Step,
+    StepContext,
+    asks_budget,
+    observe,
+    plan_for,
+    prune_cleared,
+    report_findings,
+    step,
+)
 from healthagent.model import KubeStatus, SourceHealth, Verdict
 from healthagent.common import ErrorTally
 
@@ -96,9 +87,11 @@ MAX_ATTEMPTS = 6  # writes per object per reconcile before giving up until the n
 class NodeEffects:
     """Taint, labels, conditions and Events of the agent's own node (``settings.node_name``).
 
-    The parts, one job each: ``plan_node`` decides (pure), ``NodeFacts`` notices operators'
-    actions in the node, ``BudgetGuard`` answers the budget, ``NodeWriter`` writes a plan, the
-    ``NodeWatch`` keeps the node cache current. This class runs them in order."""
+    The driver of the pure ``effects/step.py``: it holds the ``EffectsState`` value (``record``)
+    and replaces it whole with what a step returns, keeping the landed state only once the API
+    server confirmed the write. The other parts, one job each: ``BudgetGuard`` answers the budget
+    (asked before a write, when the step needs it), ``NodeWriter`` writes a plan, the
+    ``NodeWatch`` keeps the node cache current."""
 
     def __init__(
         self,
@@ -126,15 +119,16 @@ class NodeEffects:
             raise ValueError("NodeEffects acts on one node: settings.node_name must name it")
         self.node_name = settings.node_name
         self.state = state
-        self.record = EffectsRecord.from_state(state.get(STATE_KEY))
+        saved = state.get(STATE_KEY)
+        self.record = EffectsState.from_state(saved)
         self._clear = ClearCut(state.get(CLEAR_STATE_KEY), self.record.clear_token)
-        self.ledger = EventLedger(self.record.emitted, self.record.outbox)
+        self.ledger = EventLedger(saved_part(saved, "emitted", dict, {}), saved_part(saved, "outbox", list, []))
         self.dry_run = api_client is None
         self._tally = ErrorTally("kube")
         rng = rng or random.Random()
         if self.dry_run:
             self.mode = "dry-run"
-            self.backend: Any = DryRunBackend(self.node_name, self.record.dry_run_node)
+            self.backend: Any = DryRunBackend(self.node_name, saved_part(saved, "dry_run_node", dict, None))
         else:
             self.mode = settings.kube if settings.kube in ("in-cluster", "kubeconfig") else "in-cluster"
             identify(api_client)  # the field manager of what the agent writes: "healthagent"
@@ -145,7 +139,6 @@ class NodeEffects:
                                            settings.hyperpod_labels, settings.reboot_node_noexecute,
                                            settings.condition_vocabulary)
         self._vocabulary = vocabulary(settings.condition_vocabulary)
-        self.facts = NodeFacts(self.record, self.ledger, self.node_name, settings.taint_key, self._vocabulary)
         leases = None if self.dry_run else LeaseStore(self.backend, agent_namespace(settings.budget_namespace))
         self.budget = BudgetGuard(
             leases, node_name=self.node_name, taint_key=settings.taint_key,
@@ -167,7 +160,6 @@ class NodeEffects:
         self._dirty = True
         self._pending = 0
         self._reachable = self.dry_run
-        self._rollback = False  # this node's budget slot was reclaimed: back to held NoSchedule
         self._wall_offset = 0.0  # this step's wall time minus its decision time (``_wall``)
 
     # -- the two entry points ----------------------------------------------------------------------
@@ -196,11 +188,10 @@ class NodeEffects:
             self._note_boot(boot_id)
             self._verdict = self._clear.verdict_for(verdict, self._clear_pending())
             self._health = tuple(health)
-            keys = {f.key for f in verdict.findings}
-            self.record.cleared = [k for k in self.record.cleared if k in keys]
-            cleared = set(self.record.cleared)
-            self.ledger.want(finding_events([f for f in verdict.findings if f.key not in cleared], self.record,
-                                            self.node_name, self._wall(now)))
+            self.record = prune_cleared(self.record, verdict)
+            self.record, specs, notes = report_findings(self.record, verdict.findings, self._wall(now),
+                                                        self.node_name)
+            self._said(specs, notes)
             try:
                 self._sync(now)
             except ApiError as exc:
@@ -284,7 +275,7 @@ class NodeEffects:
             self._failed(exc)
             self._start_watch()  # it lists by itself once the API server answers
             return
-        self.facts.observe(node, now, self._verdict, self._wall(now))
+        self._observe(node, now)
         self.budget.startup(node, now)  # which budget slot this node holds (a restart forgets it)
         self._dirty = False
         self._deliver_events(now)
@@ -315,24 +306,47 @@ class NodeEffects:
         if self._watch is not None and not self._watch.started:
             self._watch.start(listed_version)
 
-    # -- planning ----------------------------------------------------------------------------------
+    # -- one step ---------------------------------------------------------------------------------
 
-    def _plan(self, node: dict, now: float, budget: Budget | None = None) -> NodePlan:
-        """The one plan for this attempt; the budget is asked first, only while the node holds no
-        slot and the plan has a disruptive step ahead (``budget`` given: that answer, no question)."""
-        record = self.record
-        if budget is None:
-            budget = Budget.ROLLBACK if self._rollback else (
-                Budget.ALLOWS if self.budget.holds_slot else Budget.UNASKED)
-            if budget is Budget.UNASKED and needs_budget(self._verdict, node, record.taint, record.cleared,
-                                                         self._plan_settings):
-                budget = self.budget.ask(now)
-        return plan_node(self._verdict, node, record.taint, record.cleared, budget, self._plan_settings, now,
-                         self._health, self.facts.foreign, self._wall(now))
+    def _context(self) -> StepContext:
+        limits = (f"budget_max_fraction={self.settings.budget_max_fraction} "
+                  f"budget_max_nodes={self.settings.budget_max_nodes}")
+        return StepContext(self.node_name, self._plan_settings, self._vocabulary, self._health,
+                           self.budget.note, limits)
 
-    def _observed_plan(self, node: dict, now: float) -> NodePlan:
-        self.facts.observe(node, now, self._verdict, self._wall(now))
-        return self._plan(node, now)
+    def _said(self, events: "tuple[EventSpec, ...] | list[EventSpec]", notes: "tuple[Note, ...]") -> None:
+        """Queue a step's Events and log its notes."""
+        self.ledger.want(events)
+        for note in notes:
+            log.log(logging.WARNING if note.level == WARNING else logging.INFO, "%s", note.text)
+
+    def _observe(self, node: dict, now: float) -> None:
+        """Keep what ``node`` tells (whether or not a write follows)."""
+        self.record, events, notes = observe(self.record, node, self._verdict, now, self._wall(now),
+                                             self._context())
+        self._said(events, notes)
+
+    def _budget_answer(self, node: dict, now: float) -> Budget:
+        """The budget's answer for a step against ``node``: a question (Lease reads) only while the
+        node holds no slot and the step's plan has a disruptive step ahead; fail closed."""
+        if self.record.rollback:
+            return Budget.ROLLBACK
+        if self.budget.holds_slot:
+            return Budget.ALLOWS
+        if asks_budget(self.record, self._verdict, node, self._plan_settings):
+            return self.budget.ask(now)
+        return Budget.UNASKED
+
+    def _step(self, node: dict, now: float) -> Step:
+        """Observe ``node``, ask the budget when the step needs it, then the pure step."""
+        self._observe(node, now)
+        answer = self._budget_answer(node, now)
+        return step(self.record, self._verdict, node, answer, now, self._wall(now), self._context())
+
+    def _land(self, done: Step) -> None:
+        """The step's plan is on the node: keep its state, queue its Events."""
+        self.record = done.state
+        self._said(done.events, done.notes)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -342,20 +356,19 @@ class NodeEffects:
         trusted = node is not None and not self._dirty and self.watching
         if trusted:
             self._last_read = now  # the watch keeps the cache as fresh as a read
-            self.facts.observe(node, now, self._verdict, self._wall(now))  # operators' acts, via the watch
         if not self._dirty and node is not None and not self._resync_due(now):
-            plan = self._plan(node, now)
-            if plan.writes == 0:
-                self._commit(plan, node, now)
-                self._settle_budget(node, plan, now)
+            planned = self._step(node, now)  # operators' acts arrived through the watch
+            if planned.plan.writes == 0:
+                self._land(planned)
+                self._settle_budget(node, planned.plan, now)
                 self._pending = 0
                 return
         if not trusted:
             node = self._read(now)
-        node, plan, basis, done = self._write_node(node, now)
-        status_ok = False
+        node, planned, done = self._write_node(node, now)
+        plan, status_ok = planned.plan, False
         if done:  # conditions follow the node write (a pending clear must land first)
-            self._commit(plan, basis, now)
+            self._land(planned)
             if plan.taint.taint is not None:
                 node, plan = self._check_race(node, plan, now)
             node, status_ok = self.writer.write_status(node, plan)
@@ -365,87 +378,43 @@ class NodeEffects:
         if done:
             self._settle_budget(node, plan, now)
 
-    def _write_node(self, node: dict, now: float) -> tuple[dict, NodePlan, dict, bool]:
-        """Plan against ``node`` (the budget asked here, before the write, when the plan needs
-        it) and write until the plan lands; on a conflict, back off (the writer), take the fresh
-        node (the conflict's, else a read) and plan again, at most ``max_attempts`` times.
-        (the node after, the plan written, the node it was made against, whether it landed)."""
+    def _write_node(self, node: dict, now: float) -> tuple[dict, Step, bool]:
+        """Step against ``node`` (the budget asked before the write, when the step needs it) and
+        write until its plan lands; on a conflict, back off (the writer), take the fresh node (the
+        conflict's, else a read) and step again, at most ``max_attempts`` times.
+        (the node after, the step written, whether it landed)."""
         for attempt in range(self.writer.max_attempts):
-            plan = self._observed_plan(node, now)
-            written = self.writer.write_node(node, plan, attempt)
+            planned = self._step(node, now)
+            written = self.writer.write_node(node, planned.plan, attempt)
             if written.landed:
                 assert written.node is not None
-                return written.node, plan, node, True
+                return written.node, planned, True
             node = written.node if written.node is not None else self._read(now)
         self.writer.gave_up()
-        return node, self._observed_plan(node, now), node, False
+        return node, self._step(node, now), False
 
     def _settle_budget(self, node: dict, plan: NodePlan, now: float) -> None:
         """The budget slot in step with the plan (no request when it already is); a slot found
         reclaimed after a failed re-write sends the node back to NoSchedule on the next attempt."""
         if self.budget.settle(node, now, plan.wants_slot):
-            self._rollback = True
+            self.record = replace(self.record, rollback=True)
             self._dirty = True
 
     def _resync_due(self, now: float) -> bool:
-        # a negative interval is a wall clock set back: read now, not once the clock catches up
+        # the decision clock never goes back; an injected one might: read now, not once it catches up
         return self._last_read is None or not 0 <= now - self._last_read < self.resync_seconds
 
     def _check_race(self, node: dict, plan: NodePlan, now: float) -> tuple[dict, NodePlan]:
         """Right after the first node write with a new slot landed, the budget re-writes the slot;
-        if another node reclaimed it meanwhile (see ``effects/budget.py``), plan again: the node goes
-        back to held NoSchedule (an API error here leaves the node dirty: the next attempt does)."""
+        if another node reclaimed it meanwhile (see ``effects/budget.py``), step again: the node
+        goes back to held NoSchedule (an API error here leaves the node dirty: the next attempt does)."""
         if not self.budget.slot_lost(now):
             return node, plan
-        self._rollback = True  # stays set until the rollback lands
-        node, plan, basis, done = self._write_node(node, now)
+        self.record = replace(self.record, rollback=True)  # kept until the rollback lands
+        node, planned, done = self._write_node(node, now)
         if done:
-            self._commit(plan, basis, now)
-        return node, plan
-
-    def _commit(self, plan: NodePlan, basis: dict, now: float) -> None:
-        """Record what the node now carries (the write succeeded, or nothing differed)."""
-        if plan.clear is not None:
-            self.facts.cleared(plan.clear, self._wall(now), self._verdict)
-        had_taint = bool(owned_taints(basis, self.settings.taint_key))
-        want = plan.taint.taint
-        recorded = self.record.taint
-        if want is None:
-            if had_taint:
-                self.record.taint = None
-                log.info("effects node=%s taint=removed reason=%s", self.node_name,
-                         plan.clear.via if plan.clear else "healthy")
-                if plan.clear is None:
-                    self.ledger.want([EventSpec(
-                        key=f"cleared/{now:.3f}", type=NORMAL, reason="Cleared", action="Cleared",
-                        note="Checks pass again: the agent removed its taint from the node.", at=self._wall(now))])
-        elif recorded is None or recorded.value != want.value:
-            self.record.taint = AppliedTaint(want.value, want.effect, now, plan.leading_code)
-            log.warning("effects node=%s taint=added value=%s effect=%s finding=%s", self.node_name,
-                        want.value, want.effect, plan.leading_code or "-")
-        elif recorded.effect != want.effect:
-            recorded.effect = want.effect
-            log.warning("effects node=%s taint=changed value=%s effect=%s since_taint_seconds=%.0f",
-                        self.node_name, want.value, want.effect, now - recorded.since)
-        self._note_budget(plan, now)
-        self._rollback = False  # a plan made under it landed: the node is back at NoSchedule
-
-    def _note_budget(self, plan: NodePlan, now: float) -> None:
-        if not plan.taint.budget_blocked:
-            if self.record.budget_blocked:
-                log.info("effects node=%s budget=released", self.node_name)
-            self.record.budget_blocked = False
-            return
-        if self.record.budget_blocked:
-            return
-        self.record.budget_blocked = True
-        self.record.budget_blocked_total += 1
-        limits = (f"budget_max_fraction={self.settings.budget_max_fraction} "
-                  f"budget_max_nodes={self.settings.budget_max_nodes}")
-        log.warning("effects node=%s budget=blocked action=%s %s %s", self.node_name, plan.shown.value,
-                    self.budget.note, limits)
-        self.ledger.want([budget_held_event(plan.leading_key, plan.shown, plan.leading_code,
-                                            f"{self.budget.note} ({limits})", self._wall(now))])
+            self._land(planned)
+        return node, planned.plan
 
     # -- events ------------------------------------------------------------------------------------
 
@@ -490,13 +459,14 @@ class NodeEffects:
         node = self._cache.get()
         if node is None:
             return 1
-        return self._plan(node, now, budget=Budget.ALLOWS if self.budget.holds_slot else Budget.HOLDS).writes
+        answer = Budget.ALLOWS if self.budget.holds_slot else Budget.HOLDS
+        return plan_for(self.record, self._verdict, node, answer, now, self._wall(now), self._context()).writes
 
     def _note_boot(self, boot_id: str) -> None:
         if boot_id and boot_id != self.record.boot_id:
             if self.record.boot_id:
                 log.info("effects node=%s boot changed %s -> %s", self.node_name, self.record.boot_id, boot_id)
-            self.record.boot_id = boot_id
+            self.record = replace(self.record, boot_id=boot_id)
 
     def _clear_pending(self) -> bool:
         """Does the node as last seen show a clear not applied yet (the annotation with a new
@@ -510,10 +480,9 @@ class NodeEffects:
         self._clear.settle(self._clear_pending())
         self.state.put(CLEAR_STATE_KEY, self._clear.to_state())
         ledger = self.ledger.to_state()
-        self.record.emitted, self.record.outbox = ledger["emitted"], ledger["outbox"]
-        if self.dry_run:
-            self.record.dry_run_node = self.backend.node
-        self.state.put(STATE_KEY, self.record.to_state())
+        self.state.put(STATE_KEY, self.record.to_state({
+            "emitted": ledger["emitted"], "outbox": ledger["outbox"],
+            "dry_run_node": self.backend.node if self.dry_run else None}))
         self.state.flush()
 
     def status(self) -> KubeStatus:

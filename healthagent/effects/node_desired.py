@@ -228,16 +228,16 @@ def boot_annotation(node: Mapping, taint: "TaintPlan", findings: Iterable[Findin
     return {}
 
 
-def grace_start(node: Mapping, taint_key: str, value: str, recorded_since: float | None, now: float,
+def grace_start(node: Mapping, taint_key: str, recorded_since: float | None, now: float,
                 wall: float) -> float | None:
-    """When the taint for ``value`` was first applied, on the decision clock (``clock.py``): the
-    record, else the taint's ``timeAdded`` on the node (the agent sets it), so a lost state file
-    does not restart the grace. ``timeAdded`` is wall time: it is taken as how long ago the taint
+    """When the agent's taint was first applied, on the decision clock (``clock.py``): the record,
+    else the earliest ``timeAdded`` of the agent's taints on the node (the agent sets it), so a lost
+    state file does not restart the grace. ``timeAdded`` is wall time: it is taken as how long ago the taint
     went on by the wall clock now (``wall``), never less than zero, so a ``timeAdded`` in the future
     (a clock stepped back, another writer's value) starts the grace now rather than ending it."""
     if recorded_since is not None:
         return recorded_since
-    added = [parse_rfc3339(t.get("timeAdded")) for t in owned_taints(node, taint_key) if t.get("value") == value]
+    added = [parse_rfc3339(t.get("timeAdded")) for t in owned_taints(node, taint_key)]
     added = [a for a in added if a is not None]
     return now - max(0.0, wall - min(added)) if added else None
 
@@ -261,22 +261,23 @@ def plan_taint(
     once ``grace_seconds`` have passed since the taint was applied (``since``; 0 = at once), but
     only while the node holds a budget slot: ``held`` (no slot) keeps the node at NoSchedule,
     ``budget_blocked``, until it gets one. ``reboot_noexecute=False`` keeps reboot_node at
-    NoSchedule. A NoExecute already on the node stays (the pods are gone already), except on
-    ``rollback``: this node's slot was reclaimed before its write landed, so a NoExecute it just
-    wrote goes back to NoSchedule. Removing the taint never asks: the budget never blocks healing. A GPU that fell off the bus kills its
-    rank: a pod left on the node only restarts onto it, so a reboot, too, must take the job's
-    pods off after the grace.
+    NoSchedule. A NoExecute of the agent's already on the node stays, whatever its value: an
+    escalation (reboot_node, then replace_node) never takes the eviction back, and its grace goes
+    on from the first taint (``since``), not from the new value. The exception is ``rollback``:
+    this node's slot was reclaimed before its write landed, so a NoExecute it just wrote goes back
+    to NoSchedule. Removing the taint never asks: the budget never blocks healing. A GPU that fell
+    off the bus kills its rank: a pod left on the node only restarts onto it, so a reboot, too,
+    must take the job's pods off after the grace.
     """
     if action not in TAINT_ACTIONS:
         return TaintPlan(taint=None, adds_taint=False)
     current = owned_taints(node, taint_key)
     adds = not current
-    same_value = [t for t in current if t.get("value") == action.value]
-    if any(t.get("effect") == NO_EXECUTE for t in same_value) and not rollback:
+    if any(t.get("effect") == NO_EXECUTE for t in current) and not rollback:
         return TaintPlan(taint=TaintSpec(action.value, NO_EXECUTE), adds_taint=False, disruptive_ready=True)
     if held or rollback:
         return TaintPlan(taint=TaintSpec(action.value, NO_SCHEDULE), adds_taint=adds, budget_blocked=True)
-    started = since if same_value else None  # a new or changed taint starts its grace now
+    started = since if current else None  # a new taint starts its grace now; an escalation goes on
     ready = grace_seconds <= 0 or (started is not None and now - started >= grace_seconds)
     evicts = action is Action.REPLACE_NODE or reboot_noexecute
     effect = NO_EXECUTE if evicts and ready else NO_SCHEDULE

@@ -200,7 +200,7 @@ def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | 
               budget: Budget, settings: PlanSettings, now: float,
               health: Iterable[SourceHealth] = (), foreign: Iterable[str] = (), wall: float | None = None) -> NodePlan:
     """The plan for ``node`` (as last read) under ``verdict``; pure. ``foreign``: condition types
-    another writer owns on this node (``NodeFacts.foreign``), which the plan leaves alone.
+    another writer owns on this node (``EffectsState.foreign``), which the plan leaves alone.
 
     ``now`` is the decision clock (``clock.py``: it never jumps), which times the grace; ``wall``
     the wall time written for people and the API (``timeAdded``, ``lastTransitionTime``); None:
@@ -209,9 +209,7 @@ def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | 
     key = settings.taint_key
     decision = decide(verdict, node, taint_record, cleared, key)
     findings, shown, clear = decision.findings, decision.shown, decision.clear
-    since = grace_start(node, key, shown.value,
-                        taint_record.since if taint_record and taint_record.value == shown.value else None,
-                        now, wall)
+    since = grace_start(node, key, taint_record.since if taint_record else None, now, wall)
     if since is not None and since > now:  # a grace cannot have started in the future: it starts now
         since = now
     held = budget is not Budget.ALLOWS and disruptive_step_ahead(shown, settings)

@@ -1,30 +1,34 @@
-"""What the effects remember across restarts, under the state file's ``effects`` key.
+"""What the effects know that the node cannot tell: a frozen value, saved under the ``effects`` key.
 
-Only what the node object cannot tell is kept here: that the agent's taint was confirmed applied
-(so a taint that later vanishes was removed by hand, not never written), when its grace started,
-which findings an operator cleared, the budget episode, the Event ledger with the most severe action
-reported per finding (so an escalation is reported once), and the dry-run node.
-Everything is re-checked against the node on every read; the node wins where both know.
+Kept: that the agent's taint was confirmed applied (so a taint that later vanishes was removed by
+hand, not never written) and when its grace started (on the decision clock, ``clock.py``), which
+findings an operator cleared and the last clear's token, the budget episode, the most severe
+action an Event reported per finding (so an escalation is reported once), and the node object's
+uid. Everything is re-checked against the node on every step; the node wins where both know.
+
+``EffectsState`` is a value: the pure ``effects/step.py`` returns a new one and the driver
+(``effects/kube.py``) keeps whichever the API server confirmed. The Event ledger and the
+dry-run node are the driver's and are saved beside it (``to_state(extra)``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 STATE_KEY = "effects"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 MAX_CLEARED = 256
 MAX_REPORTED = 1024  # as many findings as the Event ledger remembers delivered keys
 
 
-@dataclass
+@dataclass(frozen=True)
 class AppliedTaint:
     """The agent's taint as confirmed by a successful write (or adopted from the node)."""
 
     value: str  # reboot_node | replace_node
     effect: str  # NoSchedule | NoExecute
-    since: float  # when the taint with this value was applied: the grace starts here
+    since: float  # when the taint with this value was applied (decision clock): the grace starts here
     code: str = ""  # the code of the most severe finding when it was applied
 
     @classmethod
@@ -36,55 +40,75 @@ class AppliedTaint:
             return None
 
 
-@dataclass
-class EffectsRecord:
+@dataclass(frozen=True)
+class EffectsState:
+    """What the agent wrote and what it learnt from the node, as one value."""
+
     node_uid: str = ""
     taint: AppliedTaint | None = None
-    cleared: list[str] = field(default_factory=list)  # finding keys an operator cleared
-    clear_token: str = ""
-    budget_blocked: bool = False
-    budget_blocked_total: int = 0
+    cleared: tuple[str, ...] = ()  # finding keys an operator cleared (newest last, bounded)
+    clear_token: str = ""  # the last operator clear applied
+    budget_blocked: bool = False  # held at NoSchedule by the budget right now
+    budget_blocked_total: int = 0  # times held (cumulative)
     boot_id: str = ""
-    emitted: dict[str, float] = field(default_factory=dict)
-    outbox: list[dict] = field(default_factory=list)
-    dry_run_node: dict | None = None
     # finding key -> the most severe action an Event reported for it (oldest first, bounded)
-    reported: dict[str, str] = field(default_factory=dict)
+    reported: tuple[tuple[str, str], ...] = ()
+    # Not saved: what this run learnt. Condition types another writer owns (left alone), and a
+    # slot reclaimed before the node's taint landed (the node goes back to held NoSchedule).
+    foreign: frozenset[str] = field(default=frozenset(), compare=False)
+    rollback: bool = False
 
-    def note_reported(self, key: str, action: str) -> None:
-        """Remember the action an Event now reports for ``key``; the oldest findings are
-        forgotten first past ``MAX_REPORTED``."""
-        self.reported.pop(key, None)
-        self.reported[key] = action
-        for old in list(self.reported)[: max(0, len(self.reported) - MAX_REPORTED)]:
-            del self.reported[old]
+    def reported_action(self, key: str) -> str | None:
+        return dict(self.reported).get(key)
+
+    def with_reported(self, key: str, action: str) -> "EffectsState":
+        """``key`` now reported at ``action``; the oldest findings are forgotten first past
+        ``MAX_REPORTED``."""
+        kept = tuple(item for item in self.reported if item[0] != key) + ((key, action),)
+        return replace(self, reported=kept[-MAX_REPORTED:])
+
+    def with_cleared(self, keys: "list[str] | tuple[str, ...]") -> "EffectsState":
+        merged = tuple(dict.fromkeys(self.cleared + tuple(keys)))
+        return replace(self, cleared=merged[-MAX_CLEARED:])
 
     @classmethod
-    def from_state(cls, data: Any) -> "EffectsRecord":
+    def from_state(cls, data: Any) -> "EffectsState":
         """Restore tolerantly: a field of the wrong type falls back to its default."""
         if not isinstance(data, dict):
             return cls()
-        record = cls()
-        record.node_uid = _typed(data.get("node_uid"), str, "")
-        record.taint = AppliedTaint.from_dict(data.get("taint")) if data.get("taint") else None
-        record.cleared = [str(k) for k in _typed(data.get("cleared"), list, [])][-MAX_CLEARED:]
-        record.clear_token = _typed(data.get("clear_token"), str, "")
-        record.budget_blocked = _typed(data.get("budget_blocked"), bool, False)
-        record.budget_blocked_total = _typed(data.get("budget_blocked_total"), int, 0)
-        record.boot_id = _typed(data.get("boot_id"), str, "")
-        record.emitted = _typed(data.get("emitted"), dict, {})
-        record.outbox = _typed(data.get("outbox"), list, [])
-        record.dry_run_node = _typed(data.get("dry_run_node"), dict, None)
+        reported: dict[str, str] = {}
         for key, action in _typed(data.get("reported"), dict, {}).items():
             if isinstance(action, str):
-                record.note_reported(str(key), action)
-        return record
+                reported.pop(str(key), None)
+                reported[str(key)] = action
+        return cls(
+            node_uid=_typed(data.get("node_uid"), str, ""),
+            taint=AppliedTaint.from_dict(data.get("taint")) if data.get("taint") else None,
+            cleared=tuple(str(k) for k in _typed(data.get("cleared"), list, []))[-MAX_CLEARED:],
+            clear_token=_typed(data.get("clear_token"), str, ""),
+            budget_blocked=_typed(data.get("budget_blocked"), bool, False),
+            budget_blocked_total=_typed(data.get("budget_blocked_total"), int, 0),
+            boot_id=_typed(data.get("boot_id"), str, ""),
+            reported=tuple(reported.items())[-MAX_REPORTED:],
+        )
 
-    def to_state(self) -> dict:
-        data = asdict(self)
-        data["version"] = RECORD_VERSION
-        data["cleared"] = self.cleared[-MAX_CLEARED:]
+    def to_state(self, extra: dict | None = None) -> dict:
+        """The saved form, with the driver's parts (``extra``: the ledger, the dry-run node)."""
+        data = {
+            "version": RECORD_VERSION, "node_uid": self.node_uid,
+            "taint": None if self.taint is None else {"value": self.taint.value, "effect": self.taint.effect,
+                                                      "since": self.taint.since, "code": self.taint.code},
+            "cleared": list(self.cleared), "clear_token": self.clear_token,
+            "budget_blocked": self.budget_blocked, "budget_blocked_total": self.budget_blocked_total,
+            "boot_id": self.boot_id, "reported": dict(self.reported),
+        }
+        data.update(extra or {})
         return data
+
+
+def saved_part(data: Any, key: str, kind: type, default: Any) -> Any:
+    """One of the driver's parts of the saved record (``emitted``, ``outbox``, ``dry_run_node``)."""
+    return _typed(data.get(key) if isinstance(data, dict) else None, kind, default)
 
 
 def _typed(value: Any, kind: type, default: Any) -> Any:

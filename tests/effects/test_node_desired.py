@@ -50,9 +50,14 @@ def ours(value, effect, added=T0):
      TaintSpec("replace_node", "NoSchedule"), False),
     (Action.REPLACE_NODE, [ours("replace_node", "NoSchedule")], T0, T0 + 120, 120,
      TaintSpec("replace_node", "NoExecute"), False),
-    # escalation from reboot: the replace grace starts when the replace taint goes on
-    (Action.REPLACE_NODE, [ours("reboot_node", "NoSchedule")], T0, T0 + 500, 120,
+    # escalation from reboot: the grace goes on from the first taint, it does not start again
+    (Action.REPLACE_NODE, [ours("reboot_node", "NoSchedule")], T0, T0 + 119, 120,
      TaintSpec("replace_node", "NoSchedule"), False),
+    (Action.REPLACE_NODE, [ours("reboot_node", "NoSchedule")], T0, T0 + 120, 120,
+     TaintSpec("replace_node", "NoExecute"), False),
+    # an escalation never takes an eviction back
+    (Action.REPLACE_NODE, [ours("reboot_node", "NoExecute")], T0 + 999, T0, 120,
+     TaintSpec("replace_node", "NoExecute"), False),
     # a NoExecute on the node stays, whatever the clock says
     (Action.REPLACE_NODE, [ours("replace_node", "NoExecute")], T0 + 999, T0, 120,
      TaintSpec("replace_node", "NoExecute"), False),
@@ -67,7 +72,7 @@ def test_taint_decision_table(action, taints, since, now, grace, want, adds):
     ([], 120, T0, "NoSchedule", True, False),  # a first taint without a slot: NoSchedule all the same
     ([], 0, T0, "NoSchedule", True, False),  # even with no grace at all
     ([ours("replace_node", "NoSchedule")], 120, T0 + 500, "NoSchedule", True, False),  # grace over: waits
-    ([ours("reboot_node", "NoExecute")], 120, T0 + 500, "NoSchedule", True, False),  # a new value: waits too
+    ([ours("reboot_node", "NoExecute")], 120, T0 + 500, "NoExecute", False, True),  # escalated: stays out
     ([ours("replace_node", "NoExecute")], 120, T0 + 500, "NoExecute", False, True),  # already out: stays
 ])
 def test_without_a_slot_the_node_is_held_at_noschedule(taints, grace, now, want, blocked, ready):

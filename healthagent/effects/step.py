@@ -1,0 +1,274 @@
+"""One effects step as a pure function: ``step(state, verdict, node, budget, now, ...)``.
+
+Everything the write side decides is here, over values: the ``EffectsState`` (``record.py``),
+the verdict, the node as last seen (watch, read or a write's reply), the budget's answer, the
+decision-clock time ``now`` and the wall time ``wall`` (for what the API and people read). No
+I/O, no clock read, no logging: what a person should read comes back as ``notes``, the Events as
+``EventSpec``s. ``effects/kube.py`` is the driver that reads the node, asks the budget when
+``asks_budget`` says the plan has a disruptive step ahead and the node holds no slot, writes the
+plan, keeps the state the API server confirmed, and loops on a conflict.
+
+A step has two outcomes: ``observed``, what the node told (kept whether or not the write lands:
+an adopted taint, a recreated Node object, a taint removed by hand, another writer of a
+condition), and ``state``, the state once the plan is on the node (the taint recorded with the
+time its grace started, an applied operator clear, the budget episode).
+
+What the node tells (``observe``): a recreated object (new uid) forgets the applied taint; the
+``clear-handled`` annotation names the last clear when the state has none; the agent's taint on
+the node is adopted (its grace start from ``timeAdded`` when the state has none); the agent's
+confirmed taint gone while the agent still wants it is an operator's clear ("taint-removed");
+a condition of the agent's types that another writer owns is noticed once and left alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+from healthagent.effects.conditions import Vocabulary, foreign_conditions
+from healthagent.effects.events import (
+    NORMAL,
+    EventSpec,
+    budget_held_event,
+    escalation_event,
+    finding_event,
+    foreign_condition_event,
+)
+from healthagent.effects.node_desired import (
+    CLEAR_HANDLED_ANNOTATION,
+    NO_EXECUTE,
+    TAINT_ACTIONS,
+    annotations_of,
+    grace_start,
+    owned_taints,
+    reboot_outstanding,
+)
+from healthagent.effects.plan import (
+    Budget,
+    ClearRequest,
+    NodePlan,
+    PlanSettings,
+    blind_to,
+    effective_findings,
+    needs_budget,
+    plan_node,
+)
+from healthagent.effects.record import AppliedTaint, EffectsState
+from healthagent.model import Action, Finding, SourceHealth, Verdict
+
+WARNING, INFO = "warning", "info"
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a step depends on besides the state, the verdict and the node."""
+
+    node_name: str
+    settings: PlanSettings
+    vocab: Vocabulary
+    health: tuple[SourceHealth, ...] = ()
+    budget_note: str = ""  # the budget's last look in words (the held Event's text)
+    budget_limits: str = ""  # the budget settings in words
+
+
+@dataclass(frozen=True)
+class Note:
+    """A line for the log: its level and text (the driver logs it)."""
+
+    level: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Step:
+    observed: EffectsState  # what the node told: kept whether or not the plan lands
+    state: EffectsState  # the state once the plan is on the node
+    plan: NodePlan
+    noticed: tuple[EventSpec, ...]  # Events about what was observed
+    events: tuple[EventSpec, ...]  # Events once the plan lands
+    notes: tuple[Note, ...]
+
+
+def report_findings(state: EffectsState, findings: Iterable[Finding], wall: float,
+                    node_name: str) -> tuple[EffectsState, tuple[EventSpec, ...], tuple[Note, ...]]:
+    """The Event that first reports each new finding, and one for each finding whose action became
+    more severe than the one last reported (XID 79 then 94 on one GPU: one incident, reboot_node
+    then replace_node). A finding whose action falls back is not reported again. A finding an
+    operator cleared is not reported at all."""
+    specs, notes = [], []
+    gone = set(state.cleared)
+    for finding in findings:
+        if finding.key in gone:
+            continue
+        try:
+            before: Action | None = Action(state.reported_action(finding.key))
+        except ValueError:  # never reported, or an action this version does not know
+            before = None
+        if before is None:
+            specs.append(finding_event(finding, wall))
+        elif finding.action.severity > before.severity:
+            notes.append(Note(WARNING, f"effects node={node_name} finding={finding.code} escalated "
+                                       f"from={before.value} to={finding.action.value}"))
+            specs.append(escalation_event(finding, before, wall))
+        else:
+            continue
+        state = state.with_reported(finding.key, finding.action.value)
+    return state, tuple(specs), tuple(notes)
+
+
+def prune_cleared(state: EffectsState, verdict: Verdict) -> EffectsState:
+    """Forget cleared keys the verdict no longer holds (they can never come back: ids are new)."""
+    keys = {f.key for f in verdict.findings}
+    return replace(state, cleared=tuple(k for k in state.cleared if k in keys))
+
+
+def asks_budget(state: EffectsState, verdict: Verdict | None, node: dict, settings: PlanSettings) -> bool:
+    """Would the plan take a disruptive step, now or after the grace, that a slot must cover?"""
+    return needs_budget(verdict, node, state.taint, state.cleared, settings)
+
+
+def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float, wall: float,
+            ctx: StepContext) -> tuple[EffectsState, tuple[EventSpec, ...], tuple[Note, ...]]:
+    """What the node tells the agent about operators and other writers (see the module text)."""
+    events: list[EventSpec] = []
+    notes: list[Note] = []
+    for other in foreign_conditions(node, ctx.vocab):
+        if other.type in state.foreign:
+            continue
+        state = replace(state, foreign=state.foreign | {other.type})
+        notes.append(Note(WARNING, f"effects node={ctx.node_name} condition={other.type} left_alone=1 "
+                                   f"reason={other.reason or '-'}: {other.why}; the agent does not write it "
+                                   "(one writer per condition)"))
+        events.append(foreign_condition_event(other.type, other.why, wall))
+    uid = str((node.get("metadata") or {}).get("uid") or "")
+    if uid and state.node_uid and uid != state.node_uid and state.taint is not None:
+        notes.append(Note(WARNING, f"effects node={ctx.node_name} object recreated (uid {state.node_uid} -> "
+                                   f"{uid}); the applied taint is forgotten and decided again"))
+        state = replace(state, taint=None)
+    if uid:
+        state = replace(state, node_uid=uid)
+    handled = annotations_of(node).get(CLEAR_HANDLED_ANNOTATION, "")
+    if handled and not state.clear_token:
+        state = replace(state, clear_token=handled)
+    ours = owned_taints(node, ctx.settings.taint_key)
+    if ours:
+        state, adopted = _adopt(state, node, ours, now, wall, ctx.settings.taint_key)
+        if adopted:
+            notes.append(Note(INFO, f"effects node={ctx.node_name} adopted taint from the node "
+                                    f"value={state.taint.value if state.taint else '-'}"))
+    elif state.taint is not None and verdict is not None:
+        # gone while the agent still wanted it (a replace taint, a taint action, or a reboot taint
+        # held while unobserved): someone removed it by hand
+        wanted = Action.most_severe([f.action for f in effective_findings(verdict, state.cleared)])
+        awaited = state.taint.value == Action.REBOOT_NODE.value and reboot_outstanding(node)
+        if state.taint.value == Action.REPLACE_NODE.value or wanted in TAINT_ACTIONS \
+                or blind_to(verdict, state.taint.code) or awaited:
+            state, spec, note = cleared(state, ClearRequest(f"taint-removed-{int(wall)}", "taint-removed"), wall,
+                                        verdict, ctx.node_name)
+            events.append(spec)
+            notes.append(note)
+        else:
+            state = replace(state, taint=None)  # our own removal whose reply was lost
+    return state, tuple(events), tuple(notes)
+
+
+def _adopt(state: EffectsState, node: dict, ours: list[dict], now: float, wall: float,
+           taint_key: str) -> tuple[EffectsState, bool]:
+    main = max(ours, key=lambda t: (t.get("value") == Action.REPLACE_NODE.value, t.get("effect") == NO_EXECUTE))
+    value, effect = str(main.get("value") or ""), str(main.get("effect") or "")
+    recorded = state.taint
+    if recorded is None or recorded.value != value:
+        since = grace_start(node, taint_key, recorded.since if recorded else None, now, wall)
+        return replace(state, taint=AppliedTaint(value, effect, now if since is None else since)), True
+    if recorded.effect != effect:
+        return replace(state, taint=replace(recorded, effect=effect)), False
+    return state, False
+
+
+def cleared(state: EffectsState, clear: ClearRequest, wall: float, verdict: Verdict | None,
+            node_name: str) -> tuple[EffectsState, EventSpec, Note]:
+    """An operator cleared the node: forget the open findings and the taint; say so once."""
+    keys = [f.key for f in verdict.findings] if verdict else []
+    state = replace(state.with_cleared(keys), clear_token=clear.token, taint=None)
+    how = ("the healthagent.io/clear annotation" if clear.via == "annotation"
+           else "removing the agent's taint by hand")
+    note = Note(WARNING, f"effects node={node_name} operator_clear={clear.token} via={clear.via} "
+                         f"findings_cleared={len(keys)}")
+    spec = EventSpec(
+        key=f"cleared/{clear.token}", type=NORMAL, reason="Cleared", action="Cleared",
+        note=f"An operator cleared the node ({how}, token {clear.token}); the agent removed its "
+             f"taint and labels and forgot {len(keys)} open finding(s).", at=wall)
+    return state, spec, note
+
+
+def plan_for(state: EffectsState, verdict: Verdict | None, node: dict, budget: Budget, now: float,
+             wall: float, ctx: StepContext) -> NodePlan:
+    """The plan against ``node`` for an already observed state."""
+    return plan_node(verdict, node, state.taint, state.cleared, budget, ctx.settings, now, ctx.health,
+                     state.foreign, wall)
+
+
+def landed(state: EffectsState, plan: NodePlan, basis: dict, verdict: Verdict | None, now: float,
+           wall: float, ctx: StepContext) -> tuple[EffectsState, tuple[EventSpec, ...], tuple[Note, ...]]:
+    """The state once ``plan`` (made against ``basis``) is on the node."""
+    events: list[EventSpec] = []
+    notes: list[Note] = []
+    if plan.clear is not None:
+        state, spec, note = cleared(state, plan.clear, wall, verdict, ctx.node_name)
+        events.append(spec)
+        notes.append(note)
+    had_taint = bool(owned_taints(basis, ctx.settings.taint_key))
+    want = plan.taint.taint
+    recorded = state.taint
+    if want is None:
+        if had_taint:
+            state = replace(state, taint=None)
+            notes.append(Note(INFO, f"effects node={ctx.node_name} taint=removed reason="
+                                    f"{plan.clear.via if plan.clear else 'healthy'}"))
+            if plan.clear is None:
+                events.append(EventSpec(
+                    key=f"cleared/{now:.3f}", type=NORMAL, reason="Cleared", action="Cleared",
+                    note="Checks pass again: the agent removed its taint from the node.", at=wall))
+    elif recorded is None or recorded.value != want.value:
+        # an escalation (reboot_node, then replace_node) keeps the grace the first taint started
+        since = recorded.since if recorded is not None and had_taint else now
+        state = replace(state, taint=AppliedTaint(want.value, want.effect, since, plan.leading_code))
+        notes.append(Note(WARNING, f"effects node={ctx.node_name} taint=added value={want.value} "
+                                   f"effect={want.effect} finding={plan.leading_code or '-'}"))
+    elif recorded.effect != want.effect:
+        state = replace(state, taint=replace(recorded, effect=want.effect))
+        notes.append(Note(WARNING, f"effects node={ctx.node_name} taint=changed value={want.value} "
+                                   f"effect={want.effect} since_taint_seconds={now - recorded.since:.0f}"))
+    state, spec, note = _budget_episode(state, plan, wall, ctx)
+    events.extend(spec)
+    notes.extend(note)
+    return replace(state, rollback=False), tuple(events), tuple(notes)  # a plan made under it landed
+
+
+def _budget_episode(state: EffectsState, plan: NodePlan, wall: float,
+                    ctx: StepContext) -> tuple[EffectsState, tuple[EventSpec, ...], tuple[Note, ...]]:
+    """Held by the budget: counted and reported once per episode; released: said once."""
+    if not plan.taint.budget_blocked:
+        if not state.budget_blocked:
+            return state, (), ()
+        return (replace(state, budget_blocked=False), (),
+                (Note(INFO, f"effects node={ctx.node_name} budget=released"),))
+    if state.budget_blocked:
+        return state, (), ()
+    state = replace(state, budget_blocked=True, budget_blocked_total=state.budget_blocked_total + 1)
+    note = Note(WARNING, f"effects node={ctx.node_name} budget=blocked action={plan.shown.value} "
+                         f"{ctx.budget_note} {ctx.budget_limits}")
+    spec = budget_held_event(plan.leading_key, plan.shown, plan.leading_code,
+                             f"{ctx.budget_note} ({ctx.budget_limits})", wall)
+    return state, (spec,), (note,)
+
+
+def step(state: EffectsState, verdict: Verdict | None, node: dict, budget: Budget, now: float, wall: float,
+         ctx: StepContext) -> Step:
+    """Observe ``node``, plan against it with the budget's answer, and say what the state is once
+    the plan lands. Pure: the same inputs give the same ``Step``."""
+    observed, noticed, seen_notes = observe(state, node, verdict, now, wall, ctx)
+    plan = plan_for(observed, verdict, node, budget, now, wall, ctx)
+    after, events, notes = landed(observed, plan, node, verdict, now, wall, ctx)
+    return Step(observed=observed, state=after, plan=plan, noticed=noticed, events=events,
+                notes=seen_notes + notes)
