@@ -16,7 +16,7 @@ the calls. This module runs the protocol for one node and keeps its timing:
   a re-write that failed, and re-count the fleet's GPU nodes when the shared count is old. Nothing
   of this asks the API server in a steady state.
 - ``startup``: which slot this node holds (a restart forgets it), a slot for a NoExecute already
-  on the node (from a version before the budget) if one is free, and the shared count.
+  on the node without one (its Lease deleted by hand) if one is free, and the shared count.
 
 In dry-run there is no cluster view: every question allows and nothing is written.
 """
@@ -327,7 +327,7 @@ class BudgetGuard:
         return None, False
 
     def _adopt(self, view: BudgetView, now: float) -> None:
-        """The node carries the agent's NoExecute (from a version before the budget) but holds no
+        """The node carries the agent's NoExecute (its slot's Lease deleted by hand) but holds no
         slot: take one, so it counts. Never removes the taint: with every slot held it stands,
         the plan's questions look again later, and the budget holds other nodes' disruptive steps
         until holders are under the limit."""

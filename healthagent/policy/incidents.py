@@ -301,9 +301,6 @@ def _drop_front(recent: dict[str, Any], count: int) -> None:
 
 
 def _load_item(item: list[Any]) -> list[Any]:
-    """One remembered report from a state file: ``[t, owner, n, {reporter: joined}]``, or the
-    earlier ``[t, [owner, joiners...]]`` (one report each)."""
-    if len(item) == 2:
-        owner, *joiners = [str(r) for r in item[1]]
-        return [float(item[0]), owner, 1, {r: 1 for r in joiners}]
+    """One remembered report from a state file: ``[t, owner, n, {reporter: joined}]``; anything
+    else raises, and the item is left out and counted by the caller."""
     return [float(item[0]), str(item[1]), max(1, int(item[2])), {str(r): int(n) for r, n in item[3].items()}]
