@@ -36,12 +36,11 @@ import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
 from healthagent.model import (
     API_CONDITION_KINDS,
@@ -53,6 +52,14 @@ from healthagent.model import (
     GpuSample,
 )
 from healthagent.telemetry import spec as names
+from healthagent.telemetry.encode_cache import (
+    OPENMETRICS_EOF,
+    FamilyInput,
+    PartEncoder,
+    SnapshotPart,
+    encode_families,
+    plain_names_encoder,
+)
 
 # 1 ms (a kernel-log read) .. 5 s (a dcgm-exporter scrape at its timeout), roughly x2.5 steps.
 COLLECT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -61,7 +68,6 @@ _SPECS = names.by_name(names.HEALTH)
 _UNSAFE = re.compile(r"[^a-z0-9_]+")
 
 
-OPENMETRICS_EOF = b"# EOF\n"
 
 
 class TelemetryRegistry(CollectorRegistry):
@@ -97,11 +103,7 @@ class Telemetry:
             list(names.COLLECT_DURATION.labels), buckets=COLLECT_BUCKETS, registry=self.registry,
         )
         self.registry.register(_BuildInfo(version))
-        self._encoded_lock = threading.Lock()
-        # (part name, content type) -> (the part's input, its encoded bytes without # EOF)
-        self._encoded: dict[tuple[str, str], tuple[object, bytes]] = {}
-        # (part name, content type) -> family name -> (the family's key, its encoded bytes)
-        self._family_bytes: dict[tuple[str, str], dict[str, tuple[object, bytes]]] = {}
+        self._parts = PartEncoder()
 
     def observe_collect(self, source: str, seconds: float) -> None:
         """Record how long one collection of ``source`` took (a real histogram)."""
@@ -121,112 +123,19 @@ class Telemetry:
         Same bytes as ``encoder(self.registry)``, but each part of the snapshot is encoded again
         only when its input changed (see the module docstring).
         """
-        plain = _plain_names_encoder(encoder)
-        live = _encode_families(encoder, plain, tuple(self.registry.collect_live()))
+        plain = plain_names_encoder(encoder)
+        live = encode_families(encoder, plain, tuple(self.registry.collect_live()))
         snapshot = self._snapshot
         if snapshot is None:
             return live
         eof = live.endswith(OPENMETRICS_EOF)  # OpenMetrics: one # EOF, at the very end
         if eof:
             live = live[: -len(OPENMETRICS_EOF)]
-        body = [live] + [self._encoded_part(part, snapshot, encoder, plain, content_type) for part in SNAPSHOT_PARTS]
+        body = [live] + [self._parts.encode(part, snapshot, encoder, plain, content_type) for part in SNAPSHOT_PARTS]
         if eof:
             body.append(OPENMETRICS_EOF)
         return b"".join(body)
 
-    def _encoded_part(self, part: "SnapshotPart", snapshot: AgentSnapshot, encoder: Callable,
-                      plain: Callable | None, content_type: str) -> bytes:
-        key = (part.name, content_type)
-        source = part.input(snapshot)
-        with self._encoded_lock:
-            cached = self._encoded.get(key)
-            families_before = self._family_bytes.get(key, {})
-        if cached is not None and (cached[0] is source or (part.compare_equal and cached[0] == source)):
-            return cached[1]
-        families_now: dict[str, tuple[object, bytes]] = {}
-        pieces = []
-        for family in part.family_inputs(snapshot):
-            before = families_before.get(family.name)
-            if before is not None and before[0] == family.key:
-                encoded = before[1]
-            else:
-                encoded = _strip_eof(_encode_families(encoder, plain, (family.build(),)))
-            families_now[family.name] = (family.key, encoded)
-            pieces.append(encoded)
-        encoded_part = b"".join(pieces)
-        with self._encoded_lock:
-            self._encoded[key] = (source, encoded_part)
-            self._family_bytes[key] = families_now  # families that went away are forgotten
-        return encoded_part
-
-
-_PLAIN_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-
-
-@lru_cache(maxsize=4096)
-def _plain_name(name: str) -> bool:
-    """In the character set that ``escaping=underscores`` leaves as it is (no colon either: the
-    OpenMetrics encoder replaces a colon in a sample's name)."""
-    return _PLAIN_NAME.fullmatch(name) is not None
-
-
-def _plain_names_encoder(encoder: Callable) -> Callable | None:
-    """The negotiated OpenMetrics ``escaping=underscores`` encoder with ``allow-utf-8`` escaping
-    instead, which writes the same bytes for families with plain names (module docstring); None
-    for any other encoder (or another prometheus_client whose encoder has another shape)."""
-    if (isinstance(encoder, partial) and encoder.func is openmetrics_exposition.generate_latest
-            and not encoder.args and encoder.keywords.get("escaping") == openmetrics_exposition.UNDERSCORES):
-        return partial(encoder.func, **{**encoder.keywords, "escaping": openmetrics_exposition.ALLOWUTF8})
-    return None
-
-
-def _names_are_plain(families: Iterable[Metric]) -> bool:
-    for family in families:
-        if not _plain_name(family.name):
-            return False
-        for sample in family.samples:
-            if (sample.exemplar is not None or getattr(sample, "native_histogram", None) is not None
-                    or not _plain_name(sample.name) or not all(map(_plain_name, sample.labels))):
-                return False
-    return True
-
-
-def _encode_families(encoder: Callable, plain: Callable | None, families: tuple[Metric, ...]) -> bytes:
-    """``families`` encoded as ``encoder`` encodes them, through ``plain`` when it writes the same
-    bytes faster."""
-    chosen = plain if plain is not None and _names_are_plain(families) else encoder
-    return chosen(_Families(families))
-
-
-def _strip_eof(encoded: bytes) -> bytes:
-    return encoded[: -len(OPENMETRICS_EOF)] if encoded.endswith(OPENMETRICS_EOF) else encoded
-
-
-@dataclass(frozen=True)
-class FamilyInput:
-    """One family of a snapshot part: its name, everything its samples are made from (``key``,
-    compared with ``==``), and how to build it. Equal keys give byte-identical encodings."""
-
-    name: str
-    key: object
-    build: Callable[[], Metric]
-
-
-def _keyed_by_samples(families: Iterable[Metric]) -> Iterator[FamilyInput]:
-    """Families already built, keyed by what an encoder writes: help, type, unit and samples."""
-    for family in families:
-        key = (family.documentation, family.type, family.unit, tuple(family.samples))
-        yield FamilyInput(family.name, key, lambda family=family: family)
-
-
-class _Families:
-    """Registry-shaped wrapper around already built families."""
-
-    def __init__(self, families: tuple[Metric, ...]) -> None:
-        self._families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self._families)
 
 
 class _BuildInfo:
@@ -278,25 +187,6 @@ def _other_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     yield from _kube_families(snapshot)
     yield from _source_families(snapshot)
     yield from _internal_error_families(snapshot)
-
-
-@dataclass(frozen=True)
-class SnapshotPart:
-    """A slice of the snapshot that is encoded on its own: ``input`` is everything ``render``
-    reads, so equal inputs give equal bytes and the encoded part can be reused. ``inputs`` gives
-    the same families one by one with their keys (default: built by ``render``, keyed by their
-    samples), so a part that changed re-encodes only the families that did."""
-
-    name: str
-    input: Callable[[AgentSnapshot], object]
-    render: Callable[[AgentSnapshot], Iterator[Metric]]
-    compare_equal: bool = True  # False: reuse only for the very same input object
-    inputs: Callable[[AgentSnapshot], Iterable[FamilyInput]] | None = None
-
-    def family_inputs(self, snapshot: AgentSnapshot) -> Iterable[FamilyInput]:
-        if self.inputs is not None:
-            return self.inputs(snapshot)
-        return _keyed_by_samples(self.render(snapshot))
 
 
 # In exposition order. The big parts (GPUs, EFA) change only when their source collects again.

@@ -18,7 +18,7 @@ import pytest
 
 from healthagent.effects.api_time import rfc3339
 from healthagent.effects.conditions import vocabulary
-from healthagent.effects.node_desired import CLEAR_ANNOTATION, HEALTH_LABEL, TAINT_BOOT_ANNOTATION
+from healthagent.effects.node_desired import CLEAR_ANNOTATION, TAINT_BOOT_ANNOTATION
 from healthagent.effects.plan import Budget, PlanSettings
 from healthagent.effects.record import AppliedTaint, EffectsState
 from healthagent.effects.step import StepContext, asks_budget, report_findings, step

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.exposition import choose_encoder, generate_latest
 
 from healthagent.model import Action, Finding, GpuSample, Verdict, XidCount
-from healthagent.telemetry import metrics
+from healthagent.telemetry import encode_cache, metrics
 from healthagent.telemetry.metrics import Telemetry, efa_family_name
 from healthagent.telemetry.training_schema import RendezvousReport, StepReport
 from tests.telemetry.harness import start_agent
@@ -323,19 +323,19 @@ def test_prometheus_negotiation_takes_the_faster_encoder_with_the_same_bytes():
 
     encoder, content_type = choose_encoder(PROMETHEUS_2_ACCEPT)
     assert "escaping=underscores" in content_type
-    plain = metrics._plain_names_encoder(encoder)
+    plain = encode_cache.plain_names_encoder(encoder)
     assert plain is not None and plain.keywords["escaping"] == om.ALLOWUTF8
     telemetry = Telemetry("1")
     telemetry.publish(demo_snapshot())
     telemetry.observe_collect("efa", 0.02)
-    assert metrics._names_are_plain(telemetry.registry.collect())
+    assert encode_cache.names_are_plain(telemetry.registry.collect())
     assert telemetry.exposition(encoder, content_type) == encoder(telemetry.registry)
     # A name outside the plain set is encoded as negotiated: the two escapings differ there.
     odd = GaugeMetricFamily("node:gpu_ratio", "a recording-rule style name", labels=["gpu"])
     odd.add_metric(["0"], 1.0)
-    assert not metrics._names_are_plain([odd])
-    assert metrics._encode_families(encoder, plain, (odd,)) == encoder(metrics._Families((odd,)))
-    assert plain(metrics._Families((odd,))) != encoder(metrics._Families((odd,)))
+    assert not encode_cache.names_are_plain([odd])
+    assert encode_cache.encode_families(encoder, plain, (odd,)) == encoder(encode_cache._Families((odd,)))
+    assert plain(encode_cache._Families((odd,))) != encoder(encode_cache._Families((odd,)))
     # Other encoders are left alone.
     for other in ("", "text/plain;version=0.0.4", "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8"):
-        assert metrics._plain_names_encoder(choose_encoder(other)[0]) is None
+        assert encode_cache.plain_names_encoder(choose_encoder(other)[0]) is None
