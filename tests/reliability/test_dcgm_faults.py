@@ -3,7 +3,7 @@ trickles its reply a byte at a time. Both are real TCP servers on 127.0.0.1.
 
 The dcgm source blocks the loop for at most its timeout (2 s by default) per scrape, so the kernel
 log keeps being read between scrapes and a fault there is acted on; each cut scrape is counted.
-Before the fix in ``DcgmSource._fetch`` (read one socket receive at a time, deadline checked in
+Before the fix in ``DcgmFetcher.fetch`` (read one socket receive at a time, deadline checked in
 between), a trickling server held the loop for as long as it kept sending.
 """
 
