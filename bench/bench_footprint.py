@@ -102,7 +102,8 @@ def efa_files(root: Path) -> list[str]:
 def bare_reads(paths: list[str]) -> int:
     """The floor of an EFA collection on regular files: open, read, close and parse each file,
     nothing else (no device checks, no error handling, no samples). Returns the values parsed."""
-    from healthagent.sources.efa import READ_LIMIT, parse_counter
+    from healthagent.sources.efa import READ_LIMIT
+    from healthagent.sources.sysfs_files import parse_counter
 
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
     parsed = 0

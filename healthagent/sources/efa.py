@@ -65,7 +65,8 @@ from typing import Callable
 from healthagent.model import EFA_NOT_COUNTERS, EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
 from healthagent.common import ErrorTally
 from healthagent.sources.base import SourceResult, host_path
-from healthagent.sources.sysfs_files import HeldFiles, read_once
+from healthagent.sources.sysfs_files import HeldFiles, parse_counter, read_once
+from healthagent.sources.sysfs_paths import FaultHook, device_identity, resolve_in_root
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,8 @@ CLASS_DIR = "/sys/class/infiniband"
 EFA_VENDOR_ID = 0x1D0F
 EFA_DEVICE_ID_PREFIX = "0xefa"
 EFA_DRIVER = "efa"
-MAX_COUNTER_VALUE = 2**64 - 1
 # Enough for any u64 in decimal plus a newline, with room for whitespace the driver never adds.
 READ_LIMIT = 64
-MAX_SYMLINKS = 40
 MAX_PORTS = 16
 MAX_COUNTER_FILES = 256
 _COUNTER_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -112,7 +111,6 @@ def _blind(exc: OSError) -> bool:
 # Called with every path the source is about to read: raises the OSError a test wants sysfs to
 # answer. For faults a real part cannot be made to show: EIO on demand, and EACCES when the tests
 # run as root (root reads a mode-000 directory). None in production.
-FaultHook = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -171,53 +169,8 @@ class _Deferred:
             tally.count(kind, message)
 
 
-def resolve_in_root(root: str, path: str, touch: FaultHook | None = None) -> str:
-    """Resolve ``path`` (relative to ``root``) following symlinks as if ``root`` were ``/``.
-
-    Absolute link targets restart at ``root`` and ``..`` never climbs above it, so whatever the
-    links say, the answer is a path under ``root``. Raises OSError (ELOOP on a link cycle,
-    ENOENT/EACCES as the filesystem says) like ``open`` would.
-    """
-    root = os.path.abspath(root)
-    pending = [p for p in path.split("/") if p not in ("", ".")]
-    pending.reverse()
-    resolved: list[str] = []
-    links = 0
-    while pending:
-        part = pending.pop()
-        if part == "..":
-            if resolved:
-                resolved.pop()
-            continue
-        candidate = os.path.join(root, *resolved, part)
-        if touch is not None:
-            touch(candidate)
-        st = os.lstat(candidate)
-        if not stat.S_ISLNK(st.st_mode):
-            resolved.append(part)
-            continue
-        links += 1
-        if links > MAX_SYMLINKS:
-            raise OSError(errno.ELOOP, "too many levels of symbolic links", candidate)
-        target = os.readlink(candidate)
-        if target.startswith("/"):
-            resolved = []
-        parts = [p for p in target.split("/") if p not in ("", ".")]
-        pending.extend(reversed(parts))
-    return os.path.join(root, *resolved)
-
-
 def _read_small(path: str) -> bytes:
     return read_once(path, READ_LIMIT)  # non-blocking: a FIFO must not block the loop
-
-
-def parse_counter(raw: bytes) -> int | None:
-    """A sysfs counter's text as a non-negative u64, or None for anything else (empty, '-1', 'x')."""
-    text = raw.strip()
-    if not text or not text.isdigit() or len(text) > 20:
-        return None
-    value = int(text)
-    return value if value <= MAX_COUNTER_VALUE else None
 
 
 class EfaSource:
@@ -408,7 +361,7 @@ class EfaSource:
 
     def _identity(self, class_entry: str, device_dir: str) -> tuple:
         self._touch(device_dir)
-        return _identity(class_entry, device_dir)
+        return device_identity(class_entry, device_dir)
 
     def _unreadable(self, kind: str, name: str, message: str, exc: OSError | None = None) -> _Unreadable:
         """Count why a device cannot be read; the exception that makes it unobserved."""
@@ -545,22 +498,3 @@ def _blind_detail(devices: int, unobserved: dict[str, str]) -> str:
     return (f"{devices} EFA devices read; {len(names)} could not be read, so they are unobserved (not "
             f"missing): {shown}; the agent needs read access to /sys/class/infiniband (run it as root with "
             f"CAP_DAC_OVERRIDE, or privileged)")
-
-
-def _identity(class_entry: str, device_dir: str) -> tuple:
-    """What tells one registered device from the next at the same name: the class link's target,
-    the device directory's (device, inode, ctime) and its ``device`` link's target. Raises OSError
-    when any of them is gone."""
-    st = os.lstat(device_dir)
-    return (_link_target(class_entry), device_dir, st.st_dev, st.st_ino, st.st_ctime_ns,
-            _link_target(os.path.join(device_dir, "device")))
-
-
-def _link_target(path: str) -> str:
-    """A symlink's target text; "" for an entry that is not a link (EINVAL)."""
-    try:
-        return os.readlink(path)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return ""
-        raise

@@ -43,6 +43,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 # More than a p5 needs (32 devices x 38 files) with room for larger hosts.
+MAX_COUNTER_VALUE = 2**64 - 1  # sysfs counters are u64
 MAX_HELD = 4096
 # Descriptors left for everything else in the agent: the HTTP listeners and their connections,
 # the kernel log, NVML's device files, the Kubernetes client's connections, the state file.
@@ -197,3 +198,12 @@ class HeldFiles:
         if fd is not None and fd != _NOT_HELD:
             os.close(fd)
             self.held -= 1
+
+
+def parse_counter(raw: bytes) -> int | None:
+    """A sysfs counter's text as a non-negative u64, or None for anything else (empty, '-1', 'x')."""
+    text = raw.strip()
+    if not text or not text.isdigit() or len(text) > 20:
+        return None
+    value = int(text)
+    return value if value <= MAX_COUNTER_VALUE else None

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from healthagent.demo.node import write_rdma_device
-from healthagent.sources.efa import MAX_COUNTER_VALUE, EfaSource
+from healthagent.sources.efa import EfaSource
+from healthagent.sources.sysfs_files import MAX_COUNTER_VALUE
 
 pytestmark = pytest.mark.reliability
 

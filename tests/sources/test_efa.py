@@ -21,7 +21,9 @@ from healthagent.demo.node import (
     write_rdma_device,
 )
 from healthagent.sources import efa as efa_module
-from healthagent.sources.efa import EfaSource, parse_counter, resolve_in_root
+from healthagent.sources.efa import EfaSource
+from healthagent.sources.sysfs_files import parse_counter
+from healthagent.sources.sysfs_paths import resolve_in_root
 from tests.support.efa_reference import efa_counter_facts
 
 NOW = 1_700_000_000.0
