@@ -78,7 +78,7 @@ def simulated(tmp: Path) -> tuple[Counter, Counter, Counter]:
     from healthagent.policy.catalog import load_catalog
     from healthagent.policy.classify import Classifier
     from healthagent.policy.settings import Policy
-    from healthagent.sources.kmsg import iter_events
+    from healthagent.sources.kernel_log.offline import iter_events
 
     with HoldingKubeFake() as fake:
         fake.seed_nodes(20)

@@ -102,7 +102,7 @@ def use_real_dev_kmsg(demo, state_file: Path) -> None:
     """Point the demo root's dev/kmsg at the real device, give it this machine's boot id and save a
     cursor after the ring's newest record, as a previous run of the agent would have."""
     from healthagent.effects.state import StateStore
-    from healthagent.sources.kmsg import KmsgCursor
+    from healthagent.sources.kernel_log.cursor import KmsgCursor
 
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     (demo.root / "proc" / "sys" / "kernel" / "random" / "boot_id").write_text(boot_id + "\n")

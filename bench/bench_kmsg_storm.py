@@ -48,7 +48,7 @@ def as_dmesg(records: list[str]) -> list[str]:
 
 
 def parse_rate(lines: list[str], expected: int, runs: int) -> float:
-    from healthagent.sources.kmsg import iter_events
+    from healthagent.sources.kernel_log.offline import iter_events
 
     rates = []
     for _ in range(runs):
@@ -64,7 +64,7 @@ def follow_rate(lines: int, xid_every: int, runs: int, tmp: Path) -> tuple[float
     """(lines/s, collects needed, XIDs found) of KmsgSource following the demo node's log."""
     from healthagent.config import Settings
     from healthagent.demo.node import build_demo_root
-    from healthagent.sources.kmsg import KmsgSource
+    from healthagent.sources.kernel_log.source import KmsgSource
 
     rates, collects, found = [], 0, 0
     for run in range(runs):

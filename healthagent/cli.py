@@ -184,7 +184,7 @@ def _catalog(policy_file: str | None):
 
 def cmd_classify(args: argparse.Namespace) -> int:
     from healthagent.policy.classify import classify_event
-    from healthagent.sources.kmsg import iter_events
+    from healthagent.sources.kernel_log.offline import iter_events
 
     _, catalog = _catalog(args.policy_file)
     if args.file == "-":

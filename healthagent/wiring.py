@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # types only: each builder imports what it builds when it bui
     from healthagent.effects.kube import NodeEffects
     from healthagent.effects.state import StateStore
     from healthagent.policy.classify import Classifier
-    from healthagent.sources.kmsg import KmsgCursor, KmsgSource
+    from healthagent.sources.kernel_log.cursor import KmsgCursor
+    from healthagent.sources.kernel_log.source import KmsgSource
     from healthagent.sources.nvml import NvmlSource
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
     the decision clock that NVML's events and the kernel log's records are stamped on (None: each
     source's own, for a one-off collection)."""
     from healthagent.sources.efa import EfaSource
-    from healthagent.sources.kmsg import KmsgSource
+    from healthagent.sources.kernel_log.source import KmsgSource
 
     # Periodic sources run under a deadline (DeadlineSource): a wedged driver or filesystem must
     # never hold the loop, which also reads the kernel log and drives the effects.
@@ -165,7 +166,7 @@ class AgentRuntime:
         ``clock`` itself when a caller hands one clock)."""
         from healthagent.effects.state import StateStore
         from healthagent.effects.worker import EffectsWorker
-        from healthagent.sources.kmsg import KmsgCursor
+        from healthagent.sources.kernel_log.cursor import KmsgCursor
         from healthagent.telemetry.intake_access import IntakeAccess
         from healthagent.telemetry.metrics import Telemetry
         from healthagent.telemetry.server import AgentServer

@@ -16,7 +16,8 @@ from healthagent.demo import DEMO_GPUS, stub_nvml
 from healthagent.demo.node import P5_EFA_BUSES, XID_MESSAGES, build_demo_root
 from healthagent.model import canonical_pci_bus_id
 from healthagent.sources.efa import EfaSource
-from healthagent.sources.kmsg import KmsgSource, iter_events
+from healthagent.sources.kernel_log.source import KmsgSource
+from healthagent.sources.kernel_log.offline import iter_events
 from tests.support.efa_reference import efa_counter_facts
 
 KMSG_RECORD = re.compile(r"^(?P<pri>\d+),(?P<seq>\d+),(?P<usec>\d+),(?P<flags>[-c+]);(?P<text>.*)$")

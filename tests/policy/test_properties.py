@@ -106,7 +106,7 @@ def check_sane(clf, verdict) -> None:
 @PROPERTY
 @given(kernel_log())
 def test_random_kernel_log_text_through_the_kmsg_parser(text):
-    from healthagent.sources.kmsg import iter_events
+    from healthagent.sources.kernel_log.offline import iter_events
 
     catalog = load_catalog(Policy())
     events = list(iter_events(text.splitlines(), T0))

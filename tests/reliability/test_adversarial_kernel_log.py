@@ -19,7 +19,8 @@ from healthagent.common import ErrorTally
 from healthagent.config import load_settings
 from healthagent.model import INIT_FAILED, Action, Collection, GpuSample, SourceHealth, XidEvent
 from healthagent.sources.kernel_log.repeats import REPEATS_KEPT
-from healthagent.sources.kmsg import KmsgSource, iter_events
+from healthagent.sources.kernel_log.source import KmsgSource
+from healthagent.sources.kernel_log.offline import iter_events
 from healthagent.wiring import build_classifier
 from tests.reliability.helpers import NODE, events_by_reason, our_taints
 from tests.support.floods import append_xid_storm, warm_flood_agent

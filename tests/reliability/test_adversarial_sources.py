@@ -256,7 +256,7 @@ def test_an_xid_for_a_gpu_nvml_does_not_list_is_reported_on_its_pci_id():
     that GPU (it is what a GPU falling off looks like), never dropped, and acted on as its XID
     says; the missing GPU is GPU_MISSING besides."""
     from healthagent.model import GpuSample
-    from healthagent.sources.kmsg import iter_events
+    from healthagent.sources.kernel_log.offline import iter_events
 
     listed = tuple(GpuSample(index=i, uuid=f"GPU-{i}", pci_bus_id=f"0000:{0x53 + 0x11 * i:02x}:00.0", timestamp=NOW)
                    for i in range(7))

@@ -27,7 +27,7 @@ from healthagent.sources.kernel_log.wake import (
     TickWaiter,
     file_waiter,
 )
-from healthagent.sources.kmsg import KmsgSource
+from healthagent.sources.kernel_log.source import KmsgSource
 from tests.support.wait import wait_for
 
 LONG = 60.0  # a wait that must be woken well before this
