@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from bench.common import machine, percentile, table
-from healthagent.telemetry.intake_access import IntakeAccess, job_token
+from healthagent.training.access import IntakeAccess, job_token
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
-from healthagent.telemetry.training_intake import TrainingIntake
+from healthagent.training.intake import TrainingIntake
 from tests.telemetry.snapshots import demo_snapshot
 
 KEY = "bench-cluster-training-key-0123456789"

@@ -26,11 +26,11 @@ import sys
 import threading
 import time
 
-from healthagent.telemetry.intake_access import IntakeAccess, job_token
+from healthagent.training.access import IntakeAccess, job_token
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
-from healthagent.telemetry.training_client import INTAKE_PATH, TrainingReporter
-from healthagent.telemetry.training_intake import TrainingIntake
+from healthagent.training.client import INTAKE_PATH, TrainingReporter
+from healthagent.training.intake import TrainingIntake
 
 
 class NeverAnswers:

@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # types only: the loop imports none of these parts, it is han
     from healthagent.policy.classify import Classifier
     from healthagent.telemetry.metrics import Telemetry
     from healthagent.telemetry.server import AgentServer
-    from healthagent.telemetry.training_intake import TrainingIntake
+    from healthagent.training.intake import TrainingIntake
 
 log = logging.getLogger(__name__)
 

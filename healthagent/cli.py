@@ -383,8 +383,8 @@ def cmd_training_token(args: argparse.Namespace) -> int:
 
     Run where the training key is (``kubectl -n healthagent exec ds/healthagent -- healthagent
     training-token JOB ...``: the agent's pod has it from the Secret healthagent-training)."""
-    from healthagent.telemetry.intake_access import job_token
-    from healthagent.telemetry.training_schema import ReportError, parse_report
+    from healthagent.training.access import job_token
+    from healthagent.training.schema import ReportError, parse_report
 
     settings = load_settings(config_file=args.config)
     if not settings.training_token:

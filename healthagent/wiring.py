@@ -167,10 +167,10 @@ class AgentRuntime:
         from healthagent.effects.state import StateStore
         from healthagent.effects.worker import EffectsWorker
         from healthagent.sources.kernel_log.cursor import KmsgCursor
-        from healthagent.telemetry.intake_access import IntakeAccess
+        from healthagent.training.access import IntakeAccess
         from healthagent.telemetry.metrics import Telemetry
         from healthagent.telemetry.server import AgentServer
-        from healthagent.telemetry.training_intake import TrainingIntake
+        from healthagent.training.intake import TrainingIntake
 
         self.settings = settings
         self.stop_event = threading.Event()

@@ -20,7 +20,7 @@ import pytest
 
 from healthagent.cli import EXIT_BROKEN_PIPE, _settings, build_parser, main
 from healthagent.config import Settings, load_settings
-from healthagent.telemetry.intake_access import Grant, IntakeAccess
+from healthagent.training.access import Grant, IntakeAccess
 
 REPO = Path(__file__).resolve().parents[1]
 XID_LINE = "May 01 09:51:12 node kernel: NVRM: Xid (PCI:0000:86:00): 94, pid=1234, name=python, Contained: CE User Channel (0x9)\n"

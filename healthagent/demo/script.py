@@ -169,7 +169,7 @@ def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> 
                                                "healthagent_findings", "healthagent_gpu_up{gpu=\"%d\"" % args.gpu)):
         _say(f"   {line}")
     if args.keep_running:
-        from healthagent.telemetry.intake_access import job_token
+        from healthagent.training.access import job_token
 
         token = job_token(runtime.settings.training_token, DEMO_JOB)
         _say(f"\nserving {metrics_url} and {intake_url} until Ctrl-C; report a training step with "

@@ -32,9 +32,9 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from healthagent.common import ErrorTally
 from healthagent.telemetry.http_listener import Handler, Limits, Listener
-from healthagent.telemetry.intake_access import IntakeAccess, Refusal
+from healthagent.training.access import IntakeAccess, Refusal
 from healthagent.telemetry.metrics import Telemetry
-from healthagent.telemetry.training_intake import IntakeReply, TrainingIntake
+from healthagent.training.intake import IntakeReply, TrainingIntake
 
 log = logging.getLogger(__name__)
 

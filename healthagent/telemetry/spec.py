@@ -122,7 +122,7 @@ BUILD_INFO = _spec("build_info", "gauge", "version", "1; the label carries the a
 EFA_COUNTER_HELP = "EFA driver counter {counter} (cumulative since launch or driver reload)."
 EFA_COUNTER_LABELS = ("efa_device", "port")
 
-# Training intake (telemetry/training_intake.py); every per-job series has the job label only.
+# Training intake (training/intake.py); every per-job series has the job label only.
 TRAINING: tuple[MetricSpec, ...] = (
     _spec("training_steps_total", "counter", "job",
           "Training steps that advanced the job (each step once per agent; aggregate with max by job)."),

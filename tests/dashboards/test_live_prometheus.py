@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from healthagent.telemetry.intake_access import job_token
+from healthagent.training.access import job_token
 
 from tests.support.observability import (
     dashboard_queries,

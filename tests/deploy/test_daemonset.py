@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from healthagent.config import ENV_PREFIX, TRAINING_PORT, Settings, load_settings
-from healthagent.telemetry.training_client import DEFAULT_PORT as CLIENT_DEFAULT_PORT
+from healthagent.training.client import DEFAULT_PORT as CLIENT_DEFAULT_PORT
 from tests.support.deploy import (
     OVERLAYS,
     agent_container,

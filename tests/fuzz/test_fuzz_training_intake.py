@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from healthagent.telemetry.training_intake import TrainingIntake
-from healthagent.telemetry.training_schema import MAX_BATCH, REJECT_REASONS
+from healthagent.training.intake import TrainingIntake
+from healthagent.training.schema import MAX_BATCH, REJECT_REASONS
 
 pytestmark = pytest.mark.reliability
 
@@ -89,7 +89,7 @@ FUZZ_KEY = "fuzz-training-key"
 
 @pytest.fixture(scope="module")
 def server():
-    from healthagent.telemetry.intake_access import IntakeAccess
+    from healthagent.training.access import IntakeAccess
     from healthagent.telemetry.metrics import Telemetry
     from healthagent.telemetry.server import AgentServer
 

@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from healthagent.telemetry.training_schema import MAX_BATCH
+from healthagent.training.schema import MAX_BATCH
 from tests.telemetry.harness import RunningAgent, start_agent
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]

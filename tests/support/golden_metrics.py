@@ -211,7 +211,7 @@ def render_demo_node(workdir: Path) -> dict[str, bytes]:
     from healthagent.config import load_settings
     from healthagent.demo.node import build_demo_root
     from healthagent.demo.stub_setup import use_stub_nvml
-    from healthagent.telemetry import training_intake
+    from healthagent.training import intake as training_intake
     from healthagent.telemetry.server import TRAINING_PATH
     from healthagent.wiring import AgentRuntime
     from tests.telemetry.harness import FakeClock

@@ -1,16 +1,3 @@
-"""Fixtures for the telemetry tests (the harness itself is tests/telemetry/harness.py)."""
+"""Fixtures for the telemetry tests: ``agent``, an agent serving /metrics and the intake."""
 
-from __future__ import annotations
-
-from typing import Iterator
-
-import pytest
-
-from tests.telemetry.harness import RunningAgent, start_agent
-
-
-@pytest.fixture
-def agent() -> Iterator[RunningAgent]:
-    running = start_agent()
-    yield running
-    running.server.stop()
+from tests.telemetry.harness import agent  # noqa: F401 (a fixture)

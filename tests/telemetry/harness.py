@@ -8,11 +8,14 @@ import gzip
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Iterator
 
-from healthagent.telemetry.intake_access import IntakeAccess
+import pytest
+
+from healthagent.training.access import IntakeAccess
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
-from healthagent.telemetry.training_intake import TrainingIntake
+from healthagent.training.intake import TrainingIntake
 
 
 class FakeClock:
@@ -95,3 +98,11 @@ def start_agent(port: int = 0, *, intake_port: int = 0, intake: str = "open", ke
                          access=IntakeAccess(intake, key), monotonic=monotonic, **server_options)
     server.start()
     return RunningAgent(telemetry, training, server, clock, monotonic)
+
+
+@pytest.fixture
+def agent() -> "Iterator[RunningAgent]":
+    """An agent serving /metrics and the intake on free loopback ports (imported by conftests)."""
+    running = start_agent()
+    yield running
+    running.server.stop()

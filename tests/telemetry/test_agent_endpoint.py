@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from healthagent.config import load_settings
-from healthagent.telemetry.intake_access import job_token
-from healthagent.telemetry.training_client import TrainingReporter
+from healthagent.training.access import job_token
+from healthagent.training.client import TrainingReporter
 from tests.support.wait import wait_for
 from tests.telemetry.contract import CONTRACT, EXTRAS, parse, sample_value
 

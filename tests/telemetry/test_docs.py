@@ -18,7 +18,7 @@ import yaml
 
 from healthagent.telemetry import spec
 from tests.support.observability import promtool_check_expressions
-from healthagent.telemetry.training_client import TrainingReporter, agent_base_url
+from healthagent.training.client import TrainingReporter, agent_base_url
 from tests.telemetry.harness import RunningAgent, start_agent
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from prometheus_client.exposition import choose_encoder, generate_latest
 from healthagent.model import Action, Finding, GpuSample, Verdict, XidCount
 from healthagent.telemetry import encode_cache, metrics
 from healthagent.telemetry.metrics import Telemetry, efa_family_name
-from healthagent.telemetry.training_schema import RendezvousReport, StepReport
+from healthagent.training.schema import RendezvousReport, StepReport
 from tests.telemetry.harness import start_agent
 from tests.telemetry.contract import CONTRACT, EXTRAS, parse, sample_value
 from tests.telemetry.snapshots import EFA_COUNTERS, EFA_DEVICES, GPUS, NOW, demo_snapshot, pci, uuid

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 from healthagent.telemetry.http_listener import Limits
-from healthagent.telemetry.intake_access import job_token
+from healthagent.training.access import job_token
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer
 from tests.support.wait import wait_for

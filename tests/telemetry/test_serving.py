@@ -23,7 +23,7 @@ from bench.bench_serving import SLOW_REQUEST, SlowClients
 from healthagent.config import TRAINING_PORT, load_settings
 from healthagent.telemetry.http_listener import Limits
 from healthagent.telemetry.server import AGENT_LIMITS, INTAKE_LIMITS
-from healthagent.telemetry.training_client import DEFAULT_PORT
+from healthagent.training.client import DEFAULT_PORT
 from tests.support.wait import wait_for
 from tests.telemetry.harness import start_agent
 from tests.telemetry.snapshots import demo_snapshot

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from healthagent.telemetry.intake_access import Grant, IntakeAccess, Refusal, job_token, token_job
+from healthagent.training.access import Grant, IntakeAccess, Refusal, job_token, token_job
 
 KEY = "0123456789abcdef0123456789abcdef"
 jobs = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=128)

@@ -20,13 +20,13 @@ from typing import Optional
 
 import pytest
 
-from healthagent.telemetry.elastic_hooks import (
+from healthagent.training.elastic_hooks import (
     ElasticEventHandler,
     ElasticMetricHandler,
     install_elastic_hooks,
     nproc_per_node_from_env,
 )
-from healthagent.telemetry.training_client import TrainingReporter
+from healthagent.training.client import TrainingReporter
 
 pytestmark = pytest.mark.integration
 
@@ -263,7 +263,7 @@ def test_install_registers_the_handler_under_both_keys(monkeypatch, agent):
 
 
 def test_torchrun_wrapper_without_torch_says_what_is_missing(monkeypatch):
-    from healthagent.telemetry import torchrun
+    from healthagent.training import torchrun
 
     monkeypatch.setitem(sys.modules, "torch", None)
     assert torchrun.ranks_per_node(["--nproc-per-node", "8", "train.py"]) is None

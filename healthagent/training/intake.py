@@ -41,7 +41,7 @@ from prometheus_client.utils import floatToGoString
 
 from healthagent.common import ErrorTally
 from healthagent.telemetry import spec as names
-from healthagent.telemetry.training_schema import (
+from healthagent.training.schema import (
     REJECT_REASONS,
     EndReport,
     RendezvousReport,

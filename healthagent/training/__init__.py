@@ -6,7 +6,7 @@ loaded only when the agent asks for it (PEP 562 module ``__getattr__``).
 
 In a training script::
 
-    from healthagent.telemetry.training import TrainingReporter
+    from healthagent.training import TrainingReporter
     reporter = TrainingReporter(job="llama-70b")
     reporter.report_step(step, tokens=global_tokens, samples=global_batch)  # every step
 
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from healthagent.telemetry.elastic_hooks import (
+from healthagent.training.elastic_hooks import (
     ElasticEventHandler,
     ElasticMetricHandler,
     install_elastic_hooks,
 )
-from healthagent.telemetry.training_client import (
+from healthagent.training.client import (
     ReporterStats,
     TrainingReporter,
     agent_base_url,
@@ -39,7 +39,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _AGENT_SIDE:
-        from healthagent.telemetry import training_intake
+        from healthagent.training import intake as training_intake
 
         return getattr(training_intake, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``python -m healthagent.telemetry.torchrun [torchrun arguments]``: torchrun with the hooks installed.
+"""``python -m healthagent.training.torchrun [torchrun arguments]``: torchrun with the hooks installed.
 
 torchrun's event and metric destinations are registries inside the torchrun process, so something
 must register the healthagent handler there before torchrun starts. This wrapper does exactly that
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from healthagent.telemetry.elastic_hooks import install_elastic_hooks
+from healthagent.training.elastic_hooks import install_elastic_hooks
 
 
 def ranks_per_node(argv: list[str]) -> int | None:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from torch.distributed.run import main as torchrun_main
     except ImportError:
-        raise SystemExit("healthagent.telemetry.torchrun needs PyTorch in this environment "
+        raise SystemExit("healthagent.training.torchrun needs PyTorch in this environment "
                          "(it wraps torch.distributed.run); install torch or use torchrun directly") from None
     install_elastic_hooks(nproc_per_node=ranks_per_node(argv))
     torchrun_main(argv)

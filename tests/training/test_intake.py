@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from healthagent.telemetry.training_intake import TrainingIntake, scaling_reason_from_text
-from healthagent.telemetry.training_schema import REJECT_REASONS
+from healthagent.training.intake import TrainingIntake, scaling_reason_from_text
+from healthagent.training.schema import REJECT_REASONS
 from tests.telemetry.harness import FakeClock
 
 T0 = 1_760_000_000.0

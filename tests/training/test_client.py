@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from bench.bench_training_client import NeverAnswers
-from healthagent.telemetry.intake_access import job_token
-from healthagent.telemetry.training_client import (
+from healthagent.training.access import job_token
+from healthagent.training.client import (
     TrainingReporter,
     agent_base_url,
     default_job,
@@ -248,7 +248,7 @@ def test_rank_and_world_size_from_torchrun_environment():
 def test_ranks_import_only_the_standard_library():
     code = (
         "import sys\n"
-        "import healthagent.telemetry.training as t\n"
+        "import healthagent.training as t\n"
         "r = t.TrainingReporter(job='j', url='http://127.0.0.1:9')\n"
         "r.report_step(1, step_seconds=0.1)\n"
         "r.close(0.1)\n"

@@ -33,7 +33,7 @@ import os
 import re
 from typing import Any, Mapping
 
-from healthagent.telemetry.training_client import ENV_JOB, TrainingReporter
+from healthagent.training.client import ENV_JOB, TrainingReporter
 
 HANDLER_KEY = "healthagent"
 RDZV_DESTINATION = "dynamic_rendezvous"
