@@ -55,10 +55,6 @@ if TYPE_CHECKING:  # types only: the loop imports none of these parts, it is han
 
 log = logging.getLogger(__name__)
 
-# Between cycles the loop sleeps until the kernel log has data, the wake rings or a periodic source
-# is due, but never longer than this: the liveness probe wants a cycle within its heartbeat timeout
-# (60 s), whatever the source intervals.
-MAX_IDLE_SECONDS = 10.0
 # The longest single sleep: a ``stop`` set without ringing the wake is seen within this.
 IDLE_SLICE_SECONDS = 1.0
 
@@ -350,13 +346,15 @@ class Agent:
     # -- the loop ----------------------------------------------------------------------------------
 
     def next_wait(self) -> float:
-        """Seconds until a periodic source is due (at most ``MAX_IDLE_SECONDS``); at most the
+        """Seconds until a periodic source is due (at most ``settings.idle_seconds``: the liveness
+        probe wants a cycle within its heartbeat timeout, whatever the source intervals); at most the
         kernel-log poll interval when the kernel log has no waiter to wake the loop."""
         now = self.clock()
         if any(source.backlog for source in self.event_sources):
             return 0.0  # the kernel log has more to read now: waiting would only delay it
-        due = min((item.next_due for item in self.scheduled), default=now + MAX_IDLE_SECONDS)
-        longest = MAX_IDLE_SECONDS if self.data_waiter() is not None else self.settings.kmsg_poll_seconds
+        idle = self.settings.idle_seconds
+        due = min((item.next_due for item in self.scheduled), default=now + idle)
+        longest = idle if self.data_waiter() is not None else self.settings.kmsg_poll_seconds
         return max(0.0, min(due - now, longest))
 
     def idle(self, stop: threading.Event) -> None:

@@ -38,6 +38,7 @@ MAXIMA: dict[str, float] = {
     **dict.fromkeys(("nvml_interval_seconds", "efa_interval_seconds", "dcgm_interval_seconds"), 3600.0),
     **dict.fromkeys(("dcgm_timeout_seconds", "source_timeout_seconds"), 600.0),
     "kmsg_poll_seconds": 60.0, "state_save_interval_seconds": 86400.0,
+    "idle_seconds": 30.0,  # half the liveness probe's heartbeat timeout (60 s)
     "replace_noexecute_grace_seconds": 7 * 86400.0, "training_job_idle_seconds": 30 * 86400.0,
     "expected_gpus": 1024, "expected_efa_devices": 1024, "kmsg_max_records_per_cycle": 10_000_000,
     "training_max_jobs": 100_000,
@@ -68,6 +69,9 @@ class Settings:
     efa_interval_seconds: float = _setting(10.0, "seconds between EFA sysfs collections")
     kmsg_poll_seconds: float = _setting(0.1, "seconds between kernel-log reads when its input cannot wake the loop")
     kmsg_max_records_per_cycle: int = _setting(50_000, "kernel-log records handled per read before yielding")
+    idle_seconds: float = _setting(
+        10.0, "longest sleep of the loop while nothing is due and nothing woke it (it also heartbeats "
+              "the liveness probe once a cycle)")
     dcgm_url: str | None = _setting(None, "dcgm-exporter /metrics URL; unset = off",
                                     "use http(s)://HOST[:PORT]/PATH, e.g. http://localhost:9400/metrics")
     dcgm_interval_seconds: float = _setting(30.0, "seconds between dcgm-exporter scrapes")
@@ -233,7 +237,7 @@ def _validate(s: Settings) -> None:
             raise bad("dcgm_url", f"{s.dcgm_url!r} {problem}")
     if not re.fullmatch(r"[\x21-\x7e]*", s.training_token):
         raise bad("training_token", "contains spaces or characters an HTTP header cannot carry")
-    for key in ("nvml_interval_seconds", "efa_interval_seconds", "kmsg_poll_seconds",
+    for key in ("nvml_interval_seconds", "efa_interval_seconds", "kmsg_poll_seconds", "idle_seconds",
                 "dcgm_interval_seconds", "dcgm_timeout_seconds", "source_timeout_seconds",
                 "state_save_interval_seconds"):
         if getattr(s, key) <= 0:
