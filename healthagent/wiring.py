@@ -203,7 +203,9 @@ class AgentRuntime:
         effects = build_effects(settings, self.state)
         worker = None
         if effects is not None:
-            worker = EffectsWorker(effects, boot_id, clock, wall=wall or clock)
+            # A changed status (a write landed, the API server gone) wakes the loop, which
+            # publishes it to /metrics at once.
+            worker = EffectsWorker(effects, boot_id, clock, wall=wall or clock, on_status=wake.set)
             # The node watch wakes the worker when an operator or another controller changes what
             # the effects own: a clear applies at once, not on the next retry.
             effects.on_change = worker.wake

@@ -69,13 +69,17 @@ class EffectsWorker:
     """
 
     def __init__(self, effects: Effects, boot_id: str, clock: Callable[[], float],
-                 retry_seconds: float = DEFAULT_RETRY_SECONDS, wall: Callable[[], float] = time.time) -> None:
+                 retry_seconds: float = DEFAULT_RETRY_SECONDS, wall: Callable[[], float] = time.time,
+                 on_status: Callable[[], None] | None = None) -> None:
         """``clock``: the decision clock (``clock.py``: it never jumps); ``wall``: wall time, for
-        what the effects write for people and the API server."""
+        what the effects write for people and the API server. ``on_status`` is called (from the
+        worker's thread; it must only wake its caller) when the effects' status changed, so the
+        loop publishes it at once rather than on its next idle cycle."""
         self._effects = effects
         self._boot_id = boot_id
         self._clock = clock
         self._wall = wall
+        self.on_status = on_status
         self._retry = retry_seconds
         self._verdict: Verdict | None = None
         self._health: tuple[SourceHealth, ...] = ()
@@ -107,7 +111,7 @@ class EffectsWorker:
 
     def _run(self) -> None:
         try:
-            self.status = self._effects.startup(self._clock(), self._boot_id, wall=self._wall())
+            self._set_status(self._effects.startup(self._clock(), self._boot_id, wall=self._wall()))
         except Exception:  # the worker must survive anything the API or a bug throws
             self.failures["startup_raised"] += 1
             log.exception("effects startup failed; will retry on the next reconcile")
@@ -119,12 +123,23 @@ class EffectsWorker:
             if verdict is None:
                 continue
             try:
-                self.status = self._effects.reconcile(verdict, self._clock(), self._boot_id, health=health,
-                                                      wall=self._wall())
+                self._set_status(self._effects.reconcile(verdict, self._clock(), self._boot_id, health=health,
+                                                         wall=self._wall()))
                 self.reconciles += 1
             except Exception:
                 self.failures["reconcile_raised"] += 1
                 log.exception("effects reconcile failed; desired state kept, retrying")
+
+    def _set_status(self, status: KubeStatus) -> None:
+        changed = status != self.status
+        self.status = status
+        callback = self.on_status
+        if changed and callback is not None:
+            try:
+                callback()
+            except Exception:  # a waker that fails must not stop the effects
+                self.failures["on_status_raised"] += 1
+                log.exception("effects status callback failed")
 
     def stop(self, timeout: float) -> None:
         self._stopping.set()

@@ -147,3 +147,27 @@ def test_a_worker_never_started_stops_at_once_and_still_closes_the_effects():
     assert worker.status == KubeStatus(mode="dry-run")
     worker.stop(LONG)
     assert effects.closed and effects.seen == []
+
+
+def test_a_changed_status_wakes_the_loop_and_the_same_status_does_not():
+    """The loop publishes the effects' status to /metrics when the worker says it changed, not
+    on its next idle cycle: ``on_status`` rings once per change, never for the same status."""
+    effects = Recorder()
+    rang = []
+    worker = EffectsWorker(effects, "boot-1", clock=lambda: 1.0, retry_seconds=LONG,
+                           on_status=lambda: rang.append(worker.status))
+    worker.start()
+    try:
+        wait_for(lambda: len(rang) == 1, what="the startup's status")  # the first status differs
+        worker.submit(XID95)
+        wait_for(lambda: worker.reconciles == 1, what="the tainting reconcile")
+        wait_for(lambda: len(rang) == 2, what="the changed status to ring")
+        assert rang[-1].taint_effect == "NoSchedule"
+        worker.wake()  # the same verdict again: the same status, no ring
+        wait_for(lambda: worker.reconciles == 2, what="the second reconcile")
+        worker.submit(HEALTHY)
+        wait_for(lambda: worker.reconciles == 3, what="the healing reconcile")
+        wait_for(lambda: len(rang) == 3, what="the healed status to ring")
+        assert [s.taint_effect for s in rang] == ["", "NoSchedule", ""]
+    finally:
+        worker.stop(LONG)
