@@ -108,11 +108,6 @@ def _blind(exc: OSError) -> bool:
     return exc.errno not in _MALFORMED
 
 
-# Called with every path the source is about to read: raises the OSError a test wants sysfs to
-# answer. For faults a real part cannot be made to show: EIO on demand, and EACCES when the tests
-# run as root (root reads a mode-000 directory). None in production.
-
-
 @dataclass(frozen=True)
 class _EfaDevice:
     name: str

@@ -16,7 +16,10 @@ from typing import Callable
 
 MAX_SYMLINKS = 40  # as the kernel's own limit on links followed in one lookup
 
-FaultHook = Callable[[str], None]  # a test's hook, called with each path before it is looked at
+# Called with every path a reader is about to look at: raises the OSError a test wants sysfs to
+# answer. For faults a real part cannot be made to show: EIO on demand, and EACCES when the tests
+# run as root (root reads a mode-000 directory). None in production.
+FaultHook = Callable[[str], None]
 
 
 def resolve_in_root(root: str, path: str, touch: FaultHook | None = None) -> str:

@@ -6,7 +6,7 @@ created through ``/dev/net/tun`` and removed again, where the machine allows it)
 under a tmp directory, and the EFA source over a demo sysfs tree. The demo tree is regular files,
 which are never held; to follow the bookkeeping (sweeps, the limit, a device that goes) over many
 files, some tests hold regular files too (``holdable=ALWAYS``), written in place as kernfs
-regenerates an attribute.
+regenerates an attribute. ``parse_counter`` takes a counter's text as a u64, or nothing.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import struct
 from pathlib import Path
 
 import pytest
+from hypothesis import given, strategies as st
 
 from healthagent.demo.node import healthy_efa_counters, p5_efa_pci_bus_ids, write_efa_devices, write_rdma_device
 from healthagent.sources.efa import EfaSource
-from healthagent.sources.sysfs_files import HeldFiles, descriptor_budget, on_sysfs
+from healthagent.sources.sysfs_files import HeldFiles, descriptor_budget, on_sysfs, parse_counter
 
 LOOPBACK_TX = "/sys/class/net/lo/statistics/tx_packets"
 NOW = 1_700_000_000.0
@@ -312,3 +313,37 @@ def test_a_read_error_through_a_held_descriptor_is_the_same_as_before(tmp_path):
     assert cached.efa == fresh.efa and "tx_pkts" not in cached.efa[0].counters
     assert cached.health.errors == {"unreadable": 1} and fresh.health.errors == {"unreadable": 1}
     assert source._files.held == held_now - 1  # the one file not read this time is let go
+
+
+# -- counter values ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, value", [
+    (b"0\n", 0),
+    (b"123456789\n", 123456789),
+    (b"18446744073709551615\n", 2**64 - 1),
+    (b"18446744073709551616\n", None),   # above u64
+    (b"-1\n", None),
+    (b"\n", None),
+    (b"", None),
+    (b"abc\n", None),
+    (b"1.5\n", None),
+    (b"0x10\n", None),
+    (b"1_000\n", None),
+    (b"+5\n", None),
+    (b"12 34\n", None),
+    (b"\xff\xfe\n", None),
+])
+def test_parse_counter(raw, value):
+    assert parse_counter(raw) == value
+
+
+@given(st.integers(min_value=0, max_value=2**64 - 1))
+def test_every_u64_round_trips(value):
+    assert parse_counter(f"{value}\n".encode()) == value
+
+
+@given(st.binary(max_size=24))
+def test_any_bytes_give_a_u64_or_none(raw):
+    value = parse_counter(raw)
+    if value is not None:
+        assert raw.strip().isdigit() and int(raw.strip()) == value <= 2**64 - 1
