@@ -1,9 +1,10 @@
 """GPU health fields from a dcgm-exporter ``/metrics`` endpoint.
 
 For nodes where the agent cannot load NVML itself (no driver library in its image) but
-dcgm-exporter runs beside it. One HTTP GET per collection with a short timeout (``requests``),
-parsed by ``prometheus_client.parser``, mapped onto the same ``GpuSample`` records NVML produces
-(``source="dcgm"``), so policy does not care where a number came from.
+dcgm-exporter runs beside it. One HTTP GET per collection with a short timeout (``requests``,
+in ``sources/dcgm_fetch.py``), parsed by ``prometheus_client.parser``, mapped onto the same
+``GpuSample`` records NVML produces (``source="dcgm"``), so policy does not care where a number
+came from.
 
 Formats accepted (all seen in the wild):
 - field names ``DCGM_FI_DEV_*`` (2.x and later) and the 1.x compatibility names ``dcgm_*``;

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Iterator
 
 import requests
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
@@ -28,7 +29,7 @@ class ScrapeError(Exception):
         self.detail = detail
 
 
-def body_chunks(reply: requests.Response):
+def body_chunks(reply: requests.Response) -> Iterator[bytes]:
     """The body in the pieces single socket receives return (urllib3 2's ``read1``), so the caller's
     deadline is checked after every receive; whole ``CHUNK_BYTES`` blocks (each of which may take
     many receives) only with an urllib3 that has no ``read1``."""
