@@ -10,7 +10,8 @@ prometheus_client's encoders spend 10-20 us on each (OpenMetrics, which Promethe
 more than text 0.0.4). The loop publishes a new snapshot every cycle, but its GPU and EFA samples
 change only when NVML or EFA collect again (every 10 s; the loop hands over the very same sample
 objects until then), and when EFA does collect only the traffic counters move: a few families of
-the ~40. So encoding is cached at two levels, both with prometheus_client's own encoders:
+the ~40. So encoding is cached at two levels (``telemetry/encode_cache.py``), both with
+prometheus_client's own encoders:
 
 - a snapshot *part* (GPUs, XIDs, EFA, the rest) whose input is the same object (or equal) reuses
   its bytes whole;
@@ -26,7 +27,7 @@ One more saving, with the same bytes: the OpenMetrics encoder that Prometheus 2.
 (``escaping=underscores``) runs a Python loop over every character of every sample's name to
 replace characters outside ``[a-zA-Z0-9_]``, about 40% of its time here. For families whose
 names and label names are already in that set (all of ours), its ``allow-utf-8`` escaping writes
-the very same bytes without the loop, so those are encoded with it (``_plain_names_encoder``); any
+the very same bytes without the loop, so those are encoded with it (``plain_names_encoder``); any
 other family, and any other encoder, is encoded exactly as negotiated.
 """
 
