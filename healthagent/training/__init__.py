@@ -1,4 +1,13 @@
-"""Training telemetry: the client ranks import, the launcher hooks, and the agent's intake.
+"""What training jobs report to the agent: the client ranks import, the launcher hooks, the intake.
+
+An input to the agent, like a source, with its own listener and credentials:
+
+- ``client``: ``TrainingReporter``, what a rank calls; stdlib only, never blocks or raises.
+- ``elastic_hooks``: torchrun's rendezvous and end events as reports, in the torchrun process.
+- ``torchrun``: ``python -m healthagent.training.torchrun``, torchrun with those hooks installed.
+- ``schema``: what a report must look like, and the one clear error a bad one gets.
+- ``access``: who may post (``token``, ``open``, ``off``), job tokens derived from the key.
+- ``intake``: the agent side: validate, count each step once per job, render the metrics.
 
 Ranks import this module, so importing it must stay cheap and stdlib-only: the client and the
 hooks are imported here directly, while ``TrainingIntake`` (which needs prometheus_client) is
