@@ -10,8 +10,8 @@
 Each listener has its own socket, thread and connection slots, a deadline for each whole request
 and caps per client address (``http_listener.py``), so a flood of slow clients on the intake
 cannot delay a probe or a scrape: the kubelet does not restart a healthy agent because a pod
-misbehaves. The intake checks the request's credential (``intake_access.py``) from the headers,
-before it parses the body; it answers everything else with 404.
+misbehaves. The intake checks the request's credential (``training/access.py``) from the
+headers, before it parses the body; it answers everything else with 404.
 
 ``/healthz`` is the liveness probe: 200 while the loop's heartbeat is recent, 503 (with why) when
 the loop has not completed a cycle for ``heartbeat_timeout_seconds`` (a generous multiple of the
