@@ -194,6 +194,15 @@ def test_malformed_scenarios_are_rejected_with_a_reason_and_the_last_good_one_st
 
 
 @pytest.mark.integration
+def test_one_write_is_one_reload_even_when_a_look_races_the_rename(lib, scenario):
+    """A rename moves the file's ctime after its new name already resolves: a stub that counted
+    the ctime as a change loaded (or rejected) one write twice when a look raced the rename."""
+    _, result = run_steps(lib, scenario, [{"op": "pynvml", "calls": [["nvmlInit"]]},
+                                          {"op": "racing_rewrites", "writes": 300}])
+    assert result == {"rejects": 300, "loads": 0}
+
+
+@pytest.mark.integration
 def test_unicode_escapes_are_decoded(lib, scenario):
     text = scenario.read_text().replace('"550.127.08"', '"550\\u002e127\\/08 \\ud83d\\ude80"')
     _, [_, version] = run_steps(lib, scenario, [

@@ -256,6 +256,31 @@ class _Driver:
                 "loads": after["loads"] - before["loads"], "rejects": after["rejects"] - before["rejects"],
                 "count_after_restore": pynvml.nvmlDeviceGetCount()}
 
+    def op_racing_rewrites(self, writes: int) -> dict[str, Any]:
+        """Replace the scenario ``writes`` times with distinct malformed files while a thread makes
+        the stub look at the file in a tight loop (as NVML's event thread does on every inotify wake
+        during a write); after each write the main thread looks once more, so every write is seen.
+        Returns how many rejections the stub counted for them: one per write when it tells writes
+        apart exactly."""
+        before = self.op_stub_stats()
+        stop = threading.Event()
+
+        def look() -> None:
+            while not stop.is_set():
+                self.op_stub_stats()
+
+        thread = threading.Thread(target=look)
+        thread.start()
+        try:
+            for n in range(writes):
+                self.stub_nvml.write_scenario_text(self.scenario, '{"gpus": [' + " " * (n % 7))
+                self.op_stub_stats()
+        finally:
+            stop.set()
+            thread.join(60)
+        after = self.op_stub_stats()
+        return {"rejects": after["rejects"] - before["rejects"], "loads": after["loads"] - before["loads"]}
+
     def op_concurrent_reads(self, gpu: int, values: list[int], writes: int, readers: int) -> dict[str, Any]:
         """Readers call nvmlDeviceGetTemperature while the main thread rewrites the scenario."""
         import pynvml
