@@ -198,6 +198,8 @@ struct stub_device {
 struct stub_event_set {
     int in_use;
     int watch; /* inotify descriptor on the scenario's folder, or -1 (see watch_scenario_folder) */
+    dev_t watch_dev; /* the folder it watches, so a freed set's descriptor can serve the next set */
+    ino_t watch_ino;
     unsigned long long last_id;
     unsigned long long mask[STUB_MAX_GPUS];
     unsigned long long uuid_hash[STUB_MAX_GPUS];
@@ -205,7 +207,7 @@ struct stub_event_set {
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static void release_set(struct stub_event_set *s);
-static int watch_scenario_folder(void);
+static int watch_scenario_folder(struct stub_event_set *s);
 static int g_refcount;
 static char g_path[4096];
 static stub_scenario *g_scenario;
@@ -221,6 +223,13 @@ static unsigned long long g_loads, g_rejects;
 static char g_last_error[512];
 static struct stub_device g_devices[STUB_MAX_GPUS];
 static struct stub_event_set g_sets[STUB_MAX_EVENT_SETS];
+/* Inotify descriptors of freed event sets, each still watching its folder (see release_set). */
+static struct {
+    int fd;
+    dev_t dev;
+    ino_t ino;
+} g_spare_watches[STUB_MAX_EVENT_SETS];
+static int g_spare_count;
 
 /* ---- a small strict JSON reader (RFC 8259; depth, size and node count bounded) ----------------- */
 
@@ -1464,7 +1473,7 @@ EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
         if (!g_sets[i].in_use) {
             memset(&g_sets[i], 0, sizeof g_sets[i]);
             g_sets[i].in_use = 1;
-            g_sets[i].watch = watch_scenario_folder();
+            g_sets[i].watch = watch_scenario_folder(&g_sets[i]);
             g_sets[i].last_id = max_event_id(); /* a set hears only what happens after it exists */
             *set = &g_sets[i];
             rc = NVML_SUCCESS;
@@ -1536,18 +1545,36 @@ static int next_event(struct stub_event_set *s, nvmlEventData_t *data) {
 }
 
 /* Called with g_lock held: an inotify descriptor watching the folder that holds the scenario file,
- * or -1 (no file, or no inotify). Writers replace the file by rename, so the folder is what to
- * watch. One per event set, opened with it: closing an inotify descriptor waits for the kernel's
- * grace period, far too slow to do per wait. */
-static int watch_scenario_folder(void) {
+ * for the event set `s` (-1: no file, or no inotify). Writers replace the file by rename, so the
+ * folder is what to watch. One per event set, opened with it: closing an inotify descriptor waits
+ * for the kernel's RCU grace period (milliseconds), far too slow to do per wait. For the same reason
+ * a freed set's descriptor is kept and handed to the next set on the same folder: a caller that
+ * creates and frees a set around every read would otherwise pay that wait every time. */
+static int watch_scenario_folder(struct stub_event_set *s) {
     char folder[sizeof g_path];
+    struct stat st;
     snprintf(folder, sizeof folder, "%s", g_path);
     if (!folder[0])
         return -1;
+    const char *dir = dirname(folder);
+    if (stat(dir, &st) != 0)
+        return -1;
+    s->watch_dev = st.st_dev;
+    s->watch_ino = st.st_ino;
+    for (int i = 0; i < g_spare_count; i++) {
+        if (g_spare_watches[i].dev == st.st_dev && g_spare_watches[i].ino == st.st_ino) {
+            int fd = g_spare_watches[i].fd;
+            g_spare_watches[i] = g_spare_watches[--g_spare_count];
+            char drain[4096]; /* changes from before this set existed are not its news */
+            while (read(fd, drain, sizeof drain) > 0) {
+            }
+            return fd;
+        }
+    }
     int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
     if (fd < 0)
         return -1;
-    if (inotify_add_watch(fd, dirname(folder),
+    if (inotify_add_watch(fd, dir,
                           IN_MOVED_TO | IN_CLOSE_WRITE | IN_MODIFY | IN_CREATE | IN_ATTRIB | IN_DELETE) < 0) {
         close(fd);
         return -1;
@@ -1555,10 +1582,18 @@ static int watch_scenario_folder(void) {
     return fd;
 }
 
-/* Called with g_lock held. */
+/* Called with g_lock held. The set's descriptor goes to the spares (closed only when they are full). */
 static void release_set(struct stub_event_set *s) {
-    if (s->in_use && s->watch >= 0)
-        close(s->watch);
+    if (s->in_use && s->watch >= 0) {
+        if (g_spare_count < STUB_MAX_EVENT_SETS) {
+            g_spare_watches[g_spare_count].fd = s->watch;
+            g_spare_watches[g_spare_count].dev = s->watch_dev;
+            g_spare_watches[g_spare_count].ino = s->watch_ino;
+            g_spare_count++;
+        } else {
+            close(s->watch);
+        }
+    }
     s->in_use = 0;
     s->watch = -1;
 }
