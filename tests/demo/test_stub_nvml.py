@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from healthagent.demo import stub_nvml
-from tests.support.nvml_stub import lib, run_steps, scenario  # noqa: F401 (lib, scenario: fixtures)
+from healthagent.demo.stub_setup import default_cache_dir
+from tests.support.nvml_stub import lib, run_steps, sanitizer_harness, scenario  # noqa: F401 (lib, scenario: fixtures)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HARNESS = REPO_ROOT / "tests" / "fixtures" / "nvml" / "asan_harness.c"
@@ -226,12 +227,10 @@ def test_every_truncation_and_random_mutation_is_loaded_or_rejected_never_a_cras
 
 @pytest.mark.integration
 def test_scenario_reader_is_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path, lib):
-    harness = tmp_path / "asan_harness"
-    build = subprocess.run(["cc", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-g", "-O1",
-                            "-std=gnu11", "-pthread", "-o", str(harness), str(HARNESS), str(stub_nvml.STUB_SOURCE)],
-                           capture_output=True, text=True, timeout=300)
-    if build.returncode != 0:
-        pytest.skip(f"cc cannot build with -fsanitize=address,undefined here: {build.stderr.strip()[-300:]}")
+    try:
+        harness = sanitizer_harness(HARNESS, default_cache_dir())
+    except stub_nvml.StubBuildError as exc:
+        pytest.skip(f"cc cannot build with -fsanitize=address,undefined here: {exc}")
     work = tmp_path / "work.json"
     run = subprocess.run([str(harness), str(work), str(stub_nvml.DEMO_SCENARIO), "1500", "7"],
                          env={"HEALTHAGENT_STUB_NVML_SCENARIO": str(work), "ASAN_OPTIONS": "detect_leaks=1"},

@@ -9,7 +9,9 @@ and call the source exactly as the agent's loop does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import random
@@ -36,6 +38,43 @@ def stub_library_or_skip(cache_dir: Path) -> Path:
     if shutil.which("cc") is None:
         pytest.skip("cc not installed: the stub libnvidia-ml.so.1 is compiled from C with cc")
     return stub_nvml.build_stub(cache_dir)
+
+
+SANITIZER_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-g", "-O1",
+                   "-std=gnu11", "-pthread")
+SANITIZER_BUILD_TIMEOUT_SECONDS = 300
+
+
+def sanitizer_harness(harness: Path, cache_dir: Path) -> Path:
+    """The stub compiled with ``harness`` under ASan and UBSan, built once per (sources, flags,
+    compiler) into ``cache_dir``: a sanitizer build is the slowest compile of the suite, and the
+    same sources give the same binary. Raises ``StubBuildError`` with the compiler's complaint
+    (a toolchain without the sanitizer runtimes, say), which the caller turns into a skip."""
+    from healthagent.demo import stub_nvml
+
+    compiler = shutil.which("cc")
+    if compiler is None:
+        raise stub_nvml.StubBuildError("cc not installed")
+    key = hashlib.sha256()
+    for part in (harness.read_bytes(), stub_nvml.STUB_SOURCE.read_bytes(), "\0".join(SANITIZER_FLAGS).encode(),
+                 f"{compiler}\0{os.stat(compiler).st_mtime_ns}".encode()):
+        key.update(hashlib.sha256(part).digest())
+    target = Path(cache_dir) / f"sanitizer-harness-{key.hexdigest()[:16]}" / "asan_harness"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".build-", dir=target.parent)
+    os.close(fd)
+    try:
+        build = subprocess.run([compiler, *SANITIZER_FLAGS, "-o", tmp_name, str(harness), str(stub_nvml.STUB_SOURCE)],
+                               capture_output=True, text=True, timeout=SANITIZER_BUILD_TIMEOUT_SECONDS)
+        if build.returncode != 0:
+            raise stub_nvml.StubBuildError(build.stderr.strip()[-300:])
+        os.replace(tmp_name, target)  # concurrent builders each rename a whole binary into place
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+    return target
 
 
 @pytest.fixture(scope="module")
