@@ -148,10 +148,13 @@ class Agent:
         data_waiter: Callable[[], DataWaiter | None] | None = None,
         clock: Callable[[], float] = time.time,
         wall: Callable[[], float] | None = None,
+        node_clear: Callable[[], str] | None = None,
     ) -> None:
         """``clock`` is the decision clock: every time policy and effects measure a duration on
         (``clock.DecisionClock`` in ``healthagent run``: it never jumps). ``wall`` is wall time,
-        for what people read (the exporter's last-collection time); None: ``clock`` is both."""
+        for what people read (the exporter's last-collection time); None: ``clock`` is both.
+        ``node_clear`` reads an operator's clear not handled yet from the node watch's cache (a
+        fact about the node, handed to policy in the ``Collection``); None: no node to read."""
         if len(event_sources) > 1:
             raise ValueError("one event source (the kernel log): the state file keeps one cursor")
         self.settings = settings
@@ -165,6 +168,7 @@ class Agent:
         self.intake = intake
         self.clock = clock
         self.wall = wall or clock
+        self.node_clear = node_clear or (lambda: "")
         self.boot_id = boot_id
         self.expected_gpus = expected_gpus
         self.expected_efa_devices = expected_efa_devices
@@ -215,8 +219,7 @@ class Agent:
         gpus = self._latest_gpus()
         efa = tuple(s for item in self.scheduled if item.last for s in item.last.efa)
         enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
-        kube = self.kube_status  # read once: the token and the verdict it cleared belong together
-        operator_clear = kube.clear_token  # a fact the effects saw on the node object
+        operator_clear = self.node_clear()  # a fact about the node object, from the watch's cache
         cleared = bool(operator_clear) and operator_clear != self.classifier.clear_token
         if self.verdict is None or enriched or fresh_periodic or cleared:
             collection = Collection(
@@ -224,7 +227,8 @@ class Agent:
                 health=tuple(self._health.values()), boot_id=self.boot_id,
                 expected_gpus=self.expected_gpus,
                 expected_efa_devices=self.expected_efa_devices, operator_clear=operator_clear,
-                operator_clear_as_of=kube.clear_as_of,
+                # what the node showed when the operator cleared: the verdict published before
+                operator_clear_as_of=self.verdict.observation if self.verdict is not None else None,
             )
             assessment = self.classifier.observe(collection)
             verdict = assessment.verdict

@@ -240,13 +240,14 @@ class Collection:
     # Inventory the node is expected to have (from config or the instance type); None = unknown.
     expected_gpus: int | None = None
     expected_efa_devices: int | None = None
-    # A fact about the node object: the last operator clear the effects saw on it (the
-    # ``healthagent.io/clear`` token, or "taint-removed-<time>" for the agent's taint removed by
-    # hand). Policy forgets the open findings once per new token.
+    # A fact about the node object, read by the loop from the node watch's cache: an operator's
+    # clear not handled yet (the ``healthagent.io/clear`` token; "taint-removed-<time>" when the
+    # agent wrote it there because its taint was removed by hand). Policy closes the open findings
+    # once per new token.
     operator_clear: str = ""
-    # Which verdict that clear acted on (``Verdict.observation``): policy closes only what was
-    # open then, so a fault observed after the operator cleared is a new finding, never wiped
-    # with the old. None = unknown (every open finding is closed).
+    # The verdict the node showed when the loop saw that clear (``Verdict.observation``): policy
+    # closes only what was open then, so a fault observed after the operator cleared is a new
+    # finding, never wiped with the old. None = unknown (every open finding is closed).
     operator_clear_as_of: int | None = None
 
 
@@ -303,14 +304,19 @@ class Verdict:
     # the state file): an operator's clear names the verdict it acted on by this number, not by a
     # time, so a wall clock stepped back or forward cannot move what the clear covers.
     observation: int = 0
+    # The last operator clear policy applied (the ``healthagent.io/clear`` token): the effects
+    # carry out a clear they see on the node only with a verdict that already accounts for it,
+    # so what it closes is policy's decision alone.
+    clear_token: str = ""
 
     @classmethod
     def of(cls, findings: "tuple[Finding, ...] | list[Finding]", timestamp: float,
-           unobserved: "tuple[str, ...] | list[str]" = (), observation: int = 0) -> "Verdict":
+           unobserved: "tuple[str, ...] | list[str]" = (), observation: int = 0,
+           clear_token: str = "") -> "Verdict":
         ordered = tuple(sorted(findings, key=lambda f: (-f.action.severity, f.code, f.subject)))
         action = ordered[0].action if ordered else Action.NONE
         return cls(action=action, findings=ordered, timestamp=timestamp,
-                   unobserved=tuple(sorted(set(unobserved))), observation=observation)
+                   unobserved=tuple(sorted(set(unobserved))), observation=observation, clear_token=clear_token)
 
     @property
     def exit_code(self) -> int:
@@ -378,13 +384,9 @@ class KubeStatus:
     # Cumulative API writes by (kind, result): kind node|node_status|event, result ok|conflict|error.
     writes: Mapping[tuple[str, str], int] = field(default_factory=dict)
     pending_writes: int = 0  # desired state not yet applied (API down)
-    # The last operator clear the effects acted on (``healthagent.io/clear`` annotation value, or
-    # "taint-removed-<time>" when the agent's taint was removed by hand). When it changes, the
-    # loop calls the classifier's ``clear()`` once and remembers the token in its state.
-    clear_token: str = ""
-    # ``Verdict.observation`` of the verdict that clear acted on (None: unknown): the loop hands
-    # it to policy with the token (``Collection.operator_clear_as_of``).
-    clear_as_of: int | None = None
+    # An operator's clear the effects see on the node and wait for policy to account for (the
+    # token; "" when none). Informational: the loop reads the clear from the node itself.
+    clear_pending: str = ""
     # The watch on the agent's own node is live (its copy of the node is as fresh as a read).
     # False in dry-run and while the watch is down (the effects then read the node on a timer).
     watching: bool = False

@@ -207,14 +207,16 @@ class AgentRuntime:
             # publishes it to /metrics at once.
             worker = EffectsWorker(effects, boot_id, clock, wall=wall or clock, on_status=wake.set)
             # The node watch wakes the worker when an operator or another controller changes what
-            # the effects own: a clear applies at once, not on the next retry.
-            effects.on_change = worker.wake
+            # the effects own, and the loop, which hands an operator's clear to policy: a clear
+            # applies at once, not on the next retry.
+            effects.on_change = _both(worker.wake, wake.set)
         self.agent = Agent(
             settings, sources=sources.scheduled, event_sources=[sources.kernel_log], nvml=sources.nvml,
             classifier=classifier, state=self.state, effects_worker=worker, telemetry=self.telemetry,
             intake=self.intake, boot_id=boot_id, expected_gpus=expected_gpus,
             expected_efa_devices=expected_efa_devices, wake=wake, clock=clock, wall=wall,
             data_waiter=sources.kernel_log.data_waiter,  # the kernel log wakes the loop when written
+            node_clear=effects.pending_clear if effects is not None else None,
         )
         self._thread: threading.Thread | None = None
 
@@ -242,3 +244,11 @@ class AgentRuntime:
         if self._thread is not None:
             self._thread.join(grace_seconds)
         self.server.stop()
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    """One callback that calls two (the node watch wakes the effects worker and the loop)."""
+    def call() -> None:
+        first()
+        second()
+    return call

@@ -53,7 +53,10 @@ def test_dry_run_effects_get_a_worker_that_the_node_watch_wakes(tmp_path):
     with built(tmp_path, nvml="false", kube="dry-run") as runtime:
         worker = runtime.agent.effects_worker
         assert isinstance(worker, EffectsWorker)
-        assert worker._effects.on_change == worker.wake
+        runtime.agent.wake.clear()
+        worker._effects.on_change()  # what the node watch calls when the node changed
+        assert worker._changed.is_set() and runtime.agent.wake.is_set()  # the worker and the loop
+        assert runtime.agent.node_clear == worker._effects.pending_clear  # the loop reads the node
         assert runtime.agent.kube_status == KubeStatus(mode="dry-run")
         boot_id = tmp_path / "host" / "proc" / "sys" / "kernel" / "random" / "boot_id"
         assert runtime.agent.boot_id == boot_id.read_text().strip()

@@ -53,8 +53,6 @@ from healthagent.effects.backend import (
 )
 from healthagent.effects.budget_guard import BudgetGuard
 from healthagent.effects.budget_leases import LeaseStore, agent_namespace
-from healthagent.effects.clear_cut import STATE_KEY as CLEAR_STATE_KEY
-from healthagent.effects.clear_cut import ClearCut
 from healthagent.effects.conditions import identify, vocabulary
 from healthagent.effects.events import EVENTS_NAMESPACE, EventLedger, EventSpec, event_body
 from healthagent.effects.node_desired import NO_EXECUTE, owned_taints, owned_view
@@ -70,7 +68,6 @@ from healthagent.effects.step import (
     asks_budget,
     observe,
     plan_for,
-    prune_cleared,
     report_findings,
     step,
 )
@@ -121,7 +118,6 @@ class NodeEffects:
         self.state = state
         saved = state.get(STATE_KEY)
         self.record = EffectsState.from_state(saved)
-        self._clear = ClearCut(state.get(CLEAR_STATE_KEY), self.record.clear_token)
         self.ledger = EventLedger(saved_part(saved, "emitted", dict, {}), saved_part(saved, "outbox", list, []))
         self.dry_run = api_client is None
         self._tally = ErrorTally("kube")
@@ -186,9 +182,8 @@ class NodeEffects:
         with self._guarded():
             self._start_watch()  # a no-op after ``startup``
             self._note_boot(boot_id)
-            self._verdict = self._clear.verdict_for(verdict, self._clear_pending())
+            self._verdict = verdict
             self._health = tuple(health)
-            self.record = prune_cleared(self.record, verdict)
             self.record, specs, notes = report_findings(self.record, verdict.findings, self._wall(now),
                                                         self.node_name)
             self._said(specs, notes)
@@ -247,7 +242,6 @@ class NodeEffects:
         return now + self._wall_offset
 
     def _changed(self) -> None:
-        self._clear.arrived(self._verdict, self._clear_pending())  # the cache holds the changed node
         callback = self.on_change
         if callback is not None:
             callback()
@@ -468,17 +462,15 @@ class NodeEffects:
                 log.info("effects node=%s boot changed %s -> %s", self.node_name, self.record.boot_id, boot_id)
             self.record = replace(self.record, boot_id=boot_id)
 
-    def _clear_pending(self) -> bool:
-        """Does the node as last seen show a clear not applied yet (the annotation with a new
-        token, or the agent's confirmed taint gone)?"""
+    def pending_clear(self) -> str:
+        """An operator's clear on the node as last seen (watch, read or write reply) that the agent
+        has not handled yet: the ``healthagent.io/clear`` token, or "". Any thread: the loop
+        reads it into the ``Collection``, and policy decides what it closes."""
         node = self._cache.get()
-        return node is not None and (clear_request(node) is not None or (
-            self.record.taint is not None and not owned_taints(node, self.settings.taint_key)))
+        clear = clear_request(node) if node is not None else None
+        return clear.token if clear is not None else ""
 
     def _save(self) -> None:
-        self._clear.note(self.record.clear_token, self._verdict)
-        self._clear.settle(self._clear_pending())
-        self.state.put(CLEAR_STATE_KEY, self._clear.to_state())
         ledger = self.ledger.to_state()
         self.state.put(STATE_KEY, self.record.to_state({
             "emitted": ledger["emitted"], "outbox": ledger["outbox"],
@@ -486,14 +478,13 @@ class NodeEffects:
         self.state.flush()
 
     def status(self) -> KubeStatus:
-        self._clear.note(self.record.clear_token, self._verdict)  # the token and its cut-off, together
         effects = {t.get("effect") for t in owned_taints(self._cache.get() or {}, self.settings.taint_key)}
         effect = NO_EXECUTE if NO_EXECUTE in effects else (next(iter(effects)) if effects else "")
         return KubeStatus(
             mode=self.mode, reachable=self._reachable, taint_effect=effect,
             budget_blocked=self.record.budget_blocked, budget_blocked_total=self.record.budget_blocked_total,
             writes=dict(self.writer.writes), pending_writes=self._pending + len(self.ledger.outbox),
-            clear_token=self.record.clear_token, clear_as_of=self._clear.as_of,
+            clear_pending=self.pending_clear() or self.record.clear_to_write,
             watching=self.watching, api_errors=self.api_errors,
         )
 

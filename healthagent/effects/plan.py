@@ -14,8 +14,10 @@ with a node action always gets it, so new pods stay off a faulty GPU while its r
 untouched. A node without a slot is *held* there (``TaintPlan.budget_blocked``) until one frees.
 
 What the plan decides, in order:
-  1. the findings that count: the verdict's, minus those an operator cleared (the record's
-     ``cleared`` keys, and all of them when the node carries a new ``healthagent.io/clear``);
+  1. the findings that count: the verdict's. An operator's clear on the node (a new
+     ``healthagent.io/clear``) is carried out only with a verdict that accounts for it
+     (``Verdict.clear_token``): policy alone decides what it closes, and until that verdict
+     arrives the plan holds the node as it is (``hold_plan``);
   2. the action shown: their most severe, except that a ``replace_node`` taint on the node is
      sticky until an operator clears it, and a ``reboot_node`` taint stays while its finding's
      subsystem is unobserved (unobserved is not healthy) and until the node reports a new boot id
@@ -37,10 +39,12 @@ from healthagent.effects.conditions import vocabulary
 from healthagent.effects.node_desired import (
     CLEAR_ANNOTATION,
     CLEAR_HANDLED_ANNOTATION,
+    NO_EXECUTE,
     TAINT_ACTIONS,
     DesiredNode,
     Pending,
     TaintPlan,
+    TaintSpec,
     annotations_of,
     boot_annotation,
     carries_no_execute,
@@ -105,21 +109,19 @@ class NodePlan:
         return int(self.node_patch is not None) + int(self.status_patch is not None)
 
 
-def clear_request(node: dict) -> ClearRequest | None:
-    """A ``healthagent.io/clear`` token on the node that the agent has not handled yet."""
+TAINT_REMOVED = "taint-removed-"  # a clear token the agent writes for its taint removed by hand
+
+
+def clear_request(node: dict, to_write: str = "") -> ClearRequest | None:
+    """A ``healthagent.io/clear`` token on the node that the agent has not handled yet, else the
+    taint-removed clear the agent is about to write there (``to_write``)."""
     annotations = annotations_of(node)
     token = annotations.get(CLEAR_ANNOTATION, "")
     if token and token != annotations.get(CLEAR_HANDLED_ANNOTATION, ""):
-        return ClearRequest(token, "annotation")
+        return ClearRequest(token, "taint-removed" if token.startswith(TAINT_REMOVED) else "annotation")
+    if to_write:
+        return ClearRequest(to_write, "taint-removed")
     return None
-
-
-def effective_findings(verdict: Verdict | None, cleared: Iterable[str]) -> tuple[Finding, ...]:
-    """The verdict's findings that no operator cleared."""
-    if verdict is None:
-        return ()
-    gone = set(cleared)
-    return tuple(f for f in verdict.findings if f.key not in gone)
 
 
 def blind_to(verdict: Verdict | None, code: str) -> bool:
@@ -137,13 +139,18 @@ class Decision:
     clear: ClearRequest | None
     sticky: bool  # the agent's replace_node taint is on the node and no clear asks it off
     awaits_reboot: bool = False  # its reboot_node taint is on and the node has not rebooted since
+    hold: bool = False  # a clear waits for a verdict that accounts for it: the node stays as it is
 
 
-def decide(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None, cleared: Iterable[str],
-           taint_key: str) -> Decision:
-    clear = clear_request(node)
-    every_key = {f.key for f in verdict.findings} if (clear and verdict) else set()
-    findings = effective_findings(verdict, set(cleared) | every_key)
+def decide(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None, taint_key: str,
+           clear_to_write: str = "") -> Decision:
+    """Which findings count and which action the node shows. An operator's clear on the node is
+    carried out only with a verdict whose ``clear_token`` is that clear's: policy decided what it
+    closes. Until then the plan holds (``hold``): nothing is added, nothing taken off."""
+    clear = clear_request(node, clear_to_write)
+    if clear is not None and (verdict is None or verdict.clear_token != clear.token):
+        return Decision((), Action.NONE, clear, False, hold=True)
+    findings = verdict.findings if verdict is not None else ()
     action = Action.most_severe([f.action for f in findings])
     on_node = {t.get("value") for t in owned_taints(node, taint_key)} if clear is None else set()
     sticky = Action.REPLACE_NODE.value in on_node
@@ -176,12 +183,12 @@ def slot_wanted(shown: Action, node: dict, settings: PlanSettings) -> bool:
 
 
 def needs_budget(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None,
-                 cleared: Iterable[str], settings: PlanSettings) -> bool:
+                 settings: PlanSettings, clear_to_write: str = "") -> bool:
     """Would the plan take a disruptive step, now or once the grace is over, that a budget slot
     must cover? The caller asks the budget only while this node holds no slot
-    (``BudgetGuard.holds_slot``); healing (clearing, removing the taint) never asks."""
-    decision = decide(verdict, node, taint_record, cleared, settings.taint_key)
-    return slot_wanted(decision.shown, node, settings)
+    (``BudgetGuard.holds_slot``); healing (clearing, removing the taint) and holding never ask."""
+    decision = decide(verdict, node, taint_record, settings.taint_key, clear_to_write)
+    return not decision.hold and slot_wanted(decision.shown, node, settings)
 
 
 def pending_taint(decision: Decision, taint_record: AppliedTaint | None, blind: bool) -> Pending | None:
@@ -196,18 +203,22 @@ def pending_taint(decision: Decision, taint_record: AppliedTaint | None, blind: 
     return None
 
 
-def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None, cleared: Iterable[str],
+def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | None,
               budget: Budget, settings: PlanSettings, now: float,
-              health: Iterable[SourceHealth] = (), foreign: Iterable[str] = (), wall: float | None = None) -> NodePlan:
+              health: Iterable[SourceHealth] = (), foreign: Iterable[str] = (), wall: float | None = None,
+              clear_to_write: str = "") -> NodePlan:
     """The plan for ``node`` (as last read) under ``verdict``; pure. ``foreign``: condition types
     another writer owns on this node (``EffectsState.foreign``), which the plan leaves alone.
 
     ``now`` is the decision clock (``clock.py``: it never jumps), which times the grace; ``wall``
     the wall time written for people and the API (``timeAdded``, ``lastTransitionTime``); None:
-    the caller has one clock (``now``)."""
+    the caller has one clock (``now``). ``clear_to_write``: a taint-removed clear the node does
+    not carry yet; the plan writes it as the clear annotation and holds."""
     wall = now if wall is None else wall
     key = settings.taint_key
-    decision = decide(verdict, node, taint_record, cleared, key)
+    decision = decide(verdict, node, taint_record, key, clear_to_write)
+    if decision.hold:
+        return hold_plan(node, key, clear_to_write, wall)
     findings, shown, clear = decision.findings, decision.shown, decision.clear
     since = grace_start(node, key, taint_record.since if taint_record else None, now, wall)
     if since is not None and since > now:  # a grace cannot have started in the future: it starts now
@@ -233,3 +244,22 @@ def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | 
                     status_patch=status_patch(node, desired, wall), taint=taint, clear=clear,
                     findings=findings, shown=shown, leading_key=findings[0].key if findings else "",
                     leading_code=leading_code, wants_slot=slot_wanted(shown, node, settings))
+
+
+def hold_plan(node: dict, taint_key: str, clear_to_write: str, wall: float) -> NodePlan:
+    """The node as it is while a clear waits for policy: the agent's taint, labels and conditions
+    untouched (its budget slot kept while a taint stands), and only a taint-removed clear written
+    to the node as the clear annotation, so policy (which reads the node) can account for it."""
+    ours = owned_taints(node, taint_key)
+    main = max(ours, key=lambda t: (t.get("value") == Action.REPLACE_NODE.value, t.get("effect") == NO_EXECUTE),
+               default=None)
+    spec = TaintSpec(str(main.get("value") or ""), str(main.get("effect") or "")) if main is not None else None
+    annotations = {}
+    if clear_to_write and annotations_of(node).get(CLEAR_ANNOTATION) != clear_to_write:
+        annotations[CLEAR_ANNOTATION] = clear_to_write
+    desired = DesiredNode(taint=spec, annotations=annotations)
+    taint = TaintPlan(taint=spec, adds_taint=False, disruptive_ready=carries_no_execute(node, taint_key))
+    patch = node_patch(node, desired, taint_key, wall) if annotations else None
+    shown = next((a for a in TAINT_ACTIONS if spec is not None and a.value == spec.value), Action.NONE)
+    return NodePlan(desired=desired, node_patch=patch, status_patch=None, taint=taint, clear=None, findings=(),
+                    shown=shown, leading_key="", leading_code="", wants_slot=spec is not None)

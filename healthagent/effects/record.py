@@ -1,10 +1,11 @@
 """What the effects know that the node cannot tell: a frozen value, saved under the ``effects`` key.
 
 Kept: that the agent's taint was confirmed applied (so a taint that later vanishes was removed by
-hand, not never written) and when its grace started (on the decision clock, ``clock.py``), which
-findings an operator cleared and the last clear's token, the budget episode, the most severe
-action an Event reported per finding (so an escalation is reported once), and the node object's
-uid. Everything is re-checked against the node on every step; the node wins where both know.
+hand, not never written) and when its grace started (on the decision clock, ``clock.py``), a
+taint-removed clear not yet written to the node, the budget episode, the most severe action an
+Event reported per finding (so an escalation is reported once), and the node object's uid. What
+an operator's clear closes is policy's (the classifier keeps the last token); the node keeps the
+clear-handled annotation. Everything is re-checked against the node on every step; the node wins where both know.
 
 ``EffectsState`` is a value: the pure ``effects/step.py`` returns a new one and the driver
 (``effects/kube.py``) keeps whichever the API server confirmed. The Event ledger and the
@@ -18,7 +19,6 @@ from typing import Any
 
 STATE_KEY = "effects"
 RECORD_VERSION = 2
-MAX_CLEARED = 256
 MAX_REPORTED = 1024  # as many findings as the Event ledger remembers delivered keys
 
 
@@ -46,8 +46,9 @@ class EffectsState:
 
     node_uid: str = ""
     taint: AppliedTaint | None = None
-    cleared: tuple[str, ...] = ()  # finding keys an operator cleared (newest last, bounded)
-    clear_token: str = ""  # the last operator clear applied
+    # The agent's taint was removed by hand: the clear token to write as the clear annotation
+    # (until it is on the node, the plan holds and writes it).
+    clear_to_write: str = ""
     budget_blocked: bool = False  # held at NoSchedule by the budget right now
     budget_blocked_total: int = 0  # times held (cumulative)
     boot_id: str = ""
@@ -67,10 +68,6 @@ class EffectsState:
         kept = tuple(item for item in self.reported if item[0] != key) + ((key, action),)
         return replace(self, reported=kept[-MAX_REPORTED:])
 
-    def with_cleared(self, keys: "list[str] | tuple[str, ...]") -> "EffectsState":
-        merged = tuple(dict.fromkeys(self.cleared + tuple(keys)))
-        return replace(self, cleared=merged[-MAX_CLEARED:])
-
     @classmethod
     def from_state(cls, data: Any) -> "EffectsState":
         """Restore tolerantly: a field of the wrong type falls back to its default."""
@@ -84,8 +81,7 @@ class EffectsState:
         return cls(
             node_uid=_typed(data.get("node_uid"), str, ""),
             taint=AppliedTaint.from_dict(data.get("taint")) if data.get("taint") else None,
-            cleared=tuple(str(k) for k in _typed(data.get("cleared"), list, []))[-MAX_CLEARED:],
-            clear_token=_typed(data.get("clear_token"), str, ""),
+            clear_to_write=_typed(data.get("clear_to_write"), str, ""),
             budget_blocked=_typed(data.get("budget_blocked"), bool, False),
             budget_blocked_total=_typed(data.get("budget_blocked_total"), int, 0),
             boot_id=_typed(data.get("boot_id"), str, ""),
@@ -98,7 +94,7 @@ class EffectsState:
             "version": RECORD_VERSION, "node_uid": self.node_uid,
             "taint": None if self.taint is None else {"value": self.taint.value, "effect": self.taint.effect,
                                                       "since": self.taint.since, "code": self.taint.code},
-            "cleared": list(self.cleared), "clear_token": self.clear_token,
+            "clear_to_write": self.clear_to_write,
             "budget_blocked": self.budget_blocked, "budget_blocked_total": self.budget_blocked_total,
             "boot_id": self.boot_id, "reported": dict(self.reported),
         }

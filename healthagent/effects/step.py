@@ -14,10 +14,15 @@ condition), and ``state``, the state once the plan is on the node (the taint rec
 time its grace started, an applied operator clear, the budget episode).
 
 What the node tells (``observe``): a recreated object (new uid) forgets the applied taint; the
-``clear-handled`` annotation names the last clear when the state has none; the agent's taint on
-the node is adopted (its grace start from ``timeAdded`` when the state has none); the agent's
-confirmed taint gone while the agent still wants it is an operator's clear ("taint-removed");
-a condition of the agent's types that another writer owns is noticed once and left alone.
+agent's taint on the node is adopted (its grace start from ``timeAdded`` when the state has
+none); the agent's confirmed taint gone while the agent still wants it is an operator's clear,
+which the step writes to the node as the clear annotation ("taint-removed-<time>") so that it is
+a fact about the node like any other clear; a condition of the agent's types that another writer
+owns is noticed once and left alone.
+
+An operator's clear is carried out only with a verdict that accounts for it (``Verdict.
+clear_token``): the loop reads the clear from the node and policy decides what it closes; until
+then the plan holds the node as it is (``plan.hold_plan``).
 """
 
 from __future__ import annotations
@@ -35,21 +40,20 @@ from healthagent.effects.events import (
     foreign_condition_event,
 )
 from healthagent.effects.node_desired import (
-    CLEAR_HANDLED_ANNOTATION,
+    CLEAR_ANNOTATION,
     NO_EXECUTE,
     TAINT_ACTIONS,
-    annotations_of,
     grace_start,
     owned_taints,
     reboot_outstanding,
 )
 from healthagent.effects.plan import (
+    TAINT_REMOVED,
     Budget,
     ClearRequest,
     NodePlan,
     PlanSettings,
     blind_to,
-    effective_findings,
     needs_budget,
     plan_node,
 )
@@ -93,13 +97,9 @@ def report_findings(state: EffectsState, findings: Iterable[Finding], wall: floa
                     node_name: str) -> tuple[EffectsState, tuple[EventSpec, ...], tuple[Note, ...]]:
     """The Event that first reports each new finding, and one for each finding whose action became
     more severe than the one last reported (XID 79 then 94 on one GPU: one incident, reboot_node
-    then replace_node). A finding whose action falls back is not reported again. A finding an
-    operator cleared is not reported at all."""
+    then replace_node). A finding whose action falls back is not reported again."""
     specs, notes = [], []
-    gone = set(state.cleared)
     for finding in findings:
-        if finding.key in gone:
-            continue
         try:
             before: Action | None = Action(state.reported_action(finding.key))
         except ValueError:  # never reported, or an action this version does not know
@@ -116,15 +116,9 @@ def report_findings(state: EffectsState, findings: Iterable[Finding], wall: floa
     return state, tuple(specs), tuple(notes)
 
 
-def prune_cleared(state: EffectsState, verdict: Verdict) -> EffectsState:
-    """Forget cleared keys the verdict no longer holds (they can never come back: ids are new)."""
-    keys = {f.key for f in verdict.findings}
-    return replace(state, cleared=tuple(k for k in state.cleared if k in keys))
-
-
 def asks_budget(state: EffectsState, verdict: Verdict | None, node: dict, settings: PlanSettings) -> bool:
     """Would the plan take a disruptive step, now or after the grace, that a slot must cover?"""
-    return needs_budget(verdict, node, state.taint, state.cleared, settings)
+    return needs_budget(verdict, node, state.taint, settings, state.clear_to_write)
 
 
 def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float, wall: float,
@@ -147,9 +141,6 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
         state = replace(state, taint=None)
     if uid:
         state = replace(state, node_uid=uid)
-    handled = annotations_of(node).get(CLEAR_HANDLED_ANNOTATION, "")
-    if handled and not state.clear_token:
-        state = replace(state, clear_token=handled)
     ours = owned_taints(node, ctx.settings.taint_key)
     if ours:
         state, adopted = _adopt(state, node, ours, now, wall, ctx.settings.taint_key)
@@ -159,14 +150,14 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
     elif state.taint is not None and verdict is not None:
         # gone while the agent still wanted it (a replace taint, a taint action, or a reboot taint
         # held while unobserved): someone removed it by hand
-        wanted = Action.most_severe([f.action for f in effective_findings(verdict, state.cleared)])
+        wanted = Action.most_severe([f.action for f in verdict.findings])
         awaited = state.taint.value == Action.REBOOT_NODE.value and reboot_outstanding(node)
         if state.taint.value == Action.REPLACE_NODE.value or wanted in TAINT_ACTIONS \
                 or blind_to(verdict, state.taint.code) or awaited:
-            state, spec, note = cleared(state, ClearRequest(f"taint-removed-{int(wall)}", "taint-removed"), wall,
-                                        verdict, ctx.node_name)
-            events.append(spec)
-            notes.append(note)
+            token = f"{TAINT_REMOVED}{int(wall)}"
+            state = replace(state, taint=None, clear_to_write=token)
+            notes.append(Note(WARNING, f"effects node={ctx.node_name} taint removed by hand: an operator's "
+                                       f"clear, written to the node as {CLEAR_ANNOTATION}={token}"))
         else:
             state = replace(state, taint=None)  # our own removal whose reply was lost
     return state, tuple(events), tuple(notes)
@@ -185,27 +176,23 @@ def _adopt(state: EffectsState, node: dict, ours: list[dict], now: float, wall: 
     return state, False
 
 
-def cleared(state: EffectsState, clear: ClearRequest, wall: float, verdict: Verdict | None,
-            node_name: str) -> tuple[EffectsState, EventSpec, Note]:
-    """An operator cleared the node: forget the open findings and the taint; say so once."""
-    keys = [f.key for f in verdict.findings] if verdict else []
-    state = replace(state.with_cleared(keys), clear_token=clear.token, taint=None)
+def cleared(clear: ClearRequest, wall: float, node_name: str) -> tuple[EventSpec, Note]:
+    """An operator's clear carried out (policy closed what it covers): say so once."""
     how = ("the healthagent.io/clear annotation" if clear.via == "annotation"
            else "removing the agent's taint by hand")
-    note = Note(WARNING, f"effects node={node_name} operator_clear={clear.token} via={clear.via} "
-                         f"findings_cleared={len(keys)}")
+    note = Note(WARNING, f"effects node={node_name} operator_clear={clear.token} via={clear.via} applied")
     spec = EventSpec(
         key=f"cleared/{clear.token}", type=NORMAL, reason="Cleared", action="Cleared",
-        note=f"An operator cleared the node ({how}, token {clear.token}); the agent removed its "
-             f"taint and labels and forgot {len(keys)} open finding(s).", at=wall)
-    return state, spec, note
+        note=f"An operator cleared the node ({how}, token {clear.token}); the open findings it covered "
+             "are closed, and the agent removed its taint and labels where nothing else needs them.", at=wall)
+    return spec, note
 
 
 def plan_for(state: EffectsState, verdict: Verdict | None, node: dict, budget: Budget, now: float,
              wall: float, ctx: StepContext) -> NodePlan:
     """The plan against ``node`` for an already observed state."""
-    return plan_node(verdict, node, state.taint, state.cleared, budget, ctx.settings, now, ctx.health,
-                     state.foreign, wall)
+    return plan_node(verdict, node, state.taint, budget, ctx.settings, now, ctx.health, state.foreign, wall,
+                     state.clear_to_write)
 
 
 def landed(state: EffectsState, plan: NodePlan, basis: dict, verdict: Verdict | None, now: float,
@@ -214,9 +201,12 @@ def landed(state: EffectsState, plan: NodePlan, basis: dict, verdict: Verdict | 
     events: list[EventSpec] = []
     notes: list[Note] = []
     if plan.clear is not None:
-        state, spec, note = cleared(state, plan.clear, wall, verdict, ctx.node_name)
+        spec, note = cleared(plan.clear, wall, ctx.node_name)
         events.append(spec)
         notes.append(note)
+        state = replace(state, taint=None)  # taken off with the clear, or decided again below
+    if state.clear_to_write and plan.desired.annotations.get(CLEAR_ANNOTATION) == state.clear_to_write:
+        state = replace(state, clear_to_write="")  # on the node now: a node fact like any clear
     had_taint = bool(owned_taints(basis, ctx.settings.taint_key))
     want = plan.taint.taint
     recorded = state.taint

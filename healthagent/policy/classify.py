@@ -130,7 +130,8 @@ class Classifier:
         if self._inventory_is_new(collection, now):
             self._guard("inventory", self._apply, inventory(collection, self.known_gpus, self.known_efa), now)
         blind = self._guard("unobserved", unobserved, collection) or ()
-        verdict = Verdict.of(self.book.findings(now), now, unobserved=blind, observation=self.observation)
+        verdict = Verdict.of(self.book.findings(now), now, unobserved=blind, observation=self.observation,
+                             clear_token=self.clear_token or "")
         return Assessment(verdict, tuple(counted), earlier, cleared)
 
     def _apply(self, signals: Iterable[Signal], now: float) -> None:

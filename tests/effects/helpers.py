@@ -92,8 +92,14 @@ def finding(code: str = "GPU_XID", action: Action = Action.REPLACE_NODE, first_s
     )
 
 
-def verdict(*findings: Finding, at: float = T0, unobserved: tuple = ()) -> Verdict:
-    return Verdict.of(list(findings), at, unobserved=unobserved)
+def verdict(*findings: Finding, at: float = T0, unobserved: tuple = (), clear_token: str = "") -> Verdict:
+    return Verdict.of(list(findings), at, unobserved=unobserved, clear_token=clear_token)
+
+
+def cleared_by(token: str, *remaining: Finding) -> Verdict:
+    """The verdict policy hands over once it accounted for the operator's clear ``token``: the
+    findings the clear covered are closed, ``remaining`` (opened after it) stay."""
+    return verdict(*remaining, clear_token=token)
 
 
 HEALTHY = Verdict.of([], T0)

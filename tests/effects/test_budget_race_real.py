@@ -22,7 +22,7 @@ import pytest
 from healthagent.effects.budget import (COUNT_LEASE, GPU_NODES_ANNOTATION, SLOT_GRACE_SECONDS, held_lease, new_lease,
                                         slot_name)
 from healthagent.effects.node_desired import CLEAR_ANNOTATION
-from tests.effects.helpers import T0, TAINT_KEY, XID95, settings_for, start_effects, wait_for
+from tests.effects.helpers import T0, TAINT_KEY, XID95, cleared_by, settings_for, start_effects, wait_for
 from tests.support.clusters import RealCluster, ensure_namespace
 
 pytestmark = pytest.mark.integration
@@ -192,6 +192,7 @@ def test_many_agents_faulting_at_once_never_exceed_one_budget(fleet):
             cluster.update_node(name, lambda n: n["metadata"].setdefault("annotations", {}).update(
                 {CLEAR_ANNOTATION: "race"}))
             by_name[name].reconcile(XID95, T0 + GRACE + 61, "boot-1")  # the resync reads the node (no watch here)
+            by_name[name].reconcile(cleared_by("race"), T0 + GRACE + 61, "boot-1")  # policy's verdict for it
         assert set(effects_now(cluster)) == set(by_name) - set(cleared)
         # every held agent looks again at once: exactly the freed slots are taken, and those go out
         waiting = [effects for effects in agents if effects.node_name not in first]

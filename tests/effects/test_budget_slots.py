@@ -30,7 +30,7 @@ from healthagent.effects.budget_guard import LIVE_HOLDER_SECONDS
 from healthagent.effects.node_desired import CLEAR_ANNOTATION, HEALTH_LABEL, HYPERPOD_HEALTH_LABEL
 from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action
-from tests.effects.helpers import (HEALTHY, T0, TAINT_KEY, XID95, condition, finding, our_taints, settings_for,
+from tests.effects.helpers import (HEALTHY, T0, TAINT_KEY, XID95, cleared_by, condition, finding, our_taints, settings_for,
                                    start_effects, started, verdict)
 
 pytestmark = pytest.mark.integration
@@ -200,6 +200,7 @@ def test_the_slot_goes_back_when_the_taint_comes_off(tmp_path, cluster, clear):
     if clear == "annotation":
         cluster.update_node(NODE, lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "ticket-1"}))
         effects.reconcile(XID95, T0 + 61, "boot-1")  # the resync reads the node (no watch here)
+        effects.reconcile(cleared_by("ticket-1"), T0 + 62, "boot-1")  # policy's verdict for the clear
     else:
         effects.reconcile(HEALTHY, T0 + 600, "boot-2")
     assert our_taints(cluster.node(NODE)) == [] and held_by(cluster, NODE) == []
@@ -224,7 +225,7 @@ def test_a_holder_escalates_past_a_shrunk_limit_and_clearing_never_asks(tmp_path
     assert cluster.requests("GET", LEASES) == []  # and does not ask again
     other = started(tmp_path / "peer", cluster, node="gpu-node-1")
     cluster.update_node("gpu-node-1", lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "t"}))
-    status = other.reconcile(HEALTHY, T0 + 61, "boot-1")
+    status = other.reconcile(cleared_by("t"), T0 + 61, "boot-1")
     assert our_taints(cluster.node("gpu-node-1")) == [] and not status.budget_blocked
     assert held_by(cluster, "gpu-node-1") == []
 

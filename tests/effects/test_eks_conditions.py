@@ -25,7 +25,7 @@ from healthagent.effects.node_desired import CLEAR_ANNOTATION
 from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action, Finding, Verdict
 from healthagent.policy.findings import FINDING_CODES
-from tests.effects.helpers import T0, TAINT_KEY, settings_for, start_effects
+from tests.effects.helpers import T0, TAINT_KEY, settings_for, start_effects, verdict
 from tests.support.clusters import READY, RealCluster
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
@@ -216,7 +216,9 @@ def test_a_fault_drives_the_condition_false_and_a_clear_brings_it_back(tmp_path,
 
     cluster.update_node(name, lambda n: n["metadata"].setdefault("annotations", {}).update(
         {CLEAR_ANNOTATION: "replaced-gpu"}))
-    effects.reconcile(fault, T0 + 300, "boot-1")
+    effects.reconcile(fault, T0 + 299, "boot-1")  # held until policy accounts for the clear
+    assert condition(cluster.node(name), gpu_type)["status"] == "False"
+    effects.reconcile(verdict(clear_token="replaced-gpu"), T0 + 300, "boot-1")
     node = cluster.node(name)
     gpu = condition(node, gpu_type)
     assert (gpu["status"], gpu["reason"], gpu["lastTransitionTime"]) == ("True", "AllChecksPassed", rfc3339(T0 + 300))

@@ -22,6 +22,7 @@ from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action
 from tests.effects.helpers import (
     HEALTHY,
+    cleared_by,
     T0,
     TAINT_KEY,
     XID95,
@@ -266,7 +267,7 @@ def test_foreign_taints_labels_annotations_and_conditions_are_untouched(tmp_path
     assert [c for c in node["status"]["conditions"] if c["type"] in ("Ready", "KernelDeadlock")] == \
         before["status"]["conditions"]
     cluster.update_node(NODE, lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "1"}))
-    effects.reconcile(XID95, T0 + 200, "boot-1")
+    effects.reconcile(cleared_by("1"), T0 + 200, "boot-1")
     node = cluster.node(NODE)
     assert node["spec"]["taints"] == foreign_taints
     assert node["metadata"]["annotations"] == {
@@ -295,37 +296,50 @@ def test_stale_owned_taints_labels_and_conditions_are_cleared(tmp_path, cluster)
 
 
 def test_the_clear_annotation_flow(tmp_path, cluster):
+    """The effects see the clear on the node and hold the node as it is until policy's verdict
+    accounts for it (the loop reads the same annotation from the node); then they remove the
+    taint, mark the clear handled and say so once."""
     effects = started(tmp_path, cluster)
     effects.reconcile(XID95, T0, "boot-1")
     effects.reconcile(XID95, T0 + 120, "boot-1")
     cluster.update_node(NODE, lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "ticket-42"}))
-    status = effects.reconcile(XID95, T0 + 200, "boot-1")  # the resync read sees the annotation
+    status = effects.reconcile(XID95, T0 + 200, "boot-1")  # the resync read sees it; policy has not yet
+    assert status.clear_pending == "ticket-42" and effects.pending_clear() == "ticket-42"
+    assert [t["effect"] for t in our_taints(cluster.node(NODE))] == ["NoExecute"]  # held as it was
+    status = effects.reconcile(cleared_by("ticket-42"), T0 + 201, "boot-1")
     node = cluster.node(NODE)
     assert our_taints(node) == [] and node["metadata"]["labels"][HEALTH_LABEL] == "healthy"
     assert node["metadata"]["annotations"][CLEAR_HANDLED_ANNOTATION] == "ticket-42"
     assert condition(node, "GpuHealthy")["status"] == "True"
-    assert status.clear_token == "ticket-42" and status.taint_effect == ""
+    assert status.clear_pending == "" and status.taint_effect == "" and effects.pending_clear() == ""
     assert sorted((e["type"], e["reason"]) for e in cluster.events()) == [
         ("Normal", "Cleared"), ("Warning", "GPU_XID")]
-    # the loop has not cleared the classifier yet: the same finding must not taint again
-    assert effects.reconcile(XID95, T0 + 300, "boot-1").taint_effect == ""
-    # after a restart too
+    # after a restart the handled clear is not carried out again
     again = started(tmp_path, cluster)
-    assert again.reconcile(XID95, T0 + 400, "boot-1").clear_token == "ticket-42"
-    assert our_taints(cluster.node(NODE)) == []
+    assert again.reconcile(cleared_by("ticket-42"), T0 + 400, "boot-1").clear_pending == ""
+    assert our_taints(cluster.node(NODE)) == [] and len(cluster.events()) == 2
     # a new fault (a new finding id, so a new key) is a new decision
-    status = again.reconcile(verdict(finding(first_seen=T0 + 500, finding_id=2)), T0 + 500, "boot-1")
+    status = again.reconcile(verdict(finding(first_seen=T0 + 500, finding_id=2), clear_token="ticket-42"),
+                             T0 + 500, "boot-1")
     assert status.taint_effect == "NoSchedule"
 
 
 def test_removing_the_taint_by_hand_is_an_operator_clear(tmp_path, cluster):
+    """The agent writes the removal to the node as the clear annotation (so the loop, which reads
+    the node, hands it to policy) and re-adds no taint; policy's verdict completes it."""
     effects = started(tmp_path, cluster)
     effects.reconcile(XID95, T0, "boot-1")
     cluster.update_node(NODE, lambda n: n["spec"].update(taints=[]))  # kubectl taint node ... -
+    token = f"taint-removed-{int(T0 + 61)}"
     status = effects.reconcile(XID95, T0 + 61, "boot-1")
-    assert our_taints(cluster.node(NODE)) == []
-    assert status.clear_token == f"taint-removed-{int(T0 + 61)}"
-    assert cluster.node(NODE)["metadata"]["labels"][HEALTH_LABEL] == "healthy"
+    node = cluster.node(NODE)
+    assert our_taints(node) == [] and node["metadata"]["annotations"][CLEAR_ANNOTATION] == token
+    assert status.clear_pending == token and effects.pending_clear() == token
+    effects.reconcile(cleared_by(token), T0 + 62, "boot-1")
+    node = cluster.node(NODE)
+    assert node["metadata"]["annotations"][CLEAR_HANDLED_ANNOTATION] == token
+    assert node["metadata"]["labels"][HEALTH_LABEL] == "healthy" and our_taints(node) == []
+    assert [e["reason"] for e in cluster.events()].count("Cleared") == 1
 
 
 def test_a_recreated_node_object_gets_the_taint_again(tmp_path, cluster):
@@ -334,7 +348,7 @@ def test_a_recreated_node_object_gets_the_taint_again(tmp_path, cluster):
     cluster.delete_node(NODE)
     cluster.add_node(NODE, labels={"nvidia.com/gpu.present": "true"})  # a new uid, no taint
     status = effects.reconcile(XID95, T0 + 61, "boot-1")
-    assert our_taints(cluster.node(NODE)) and status.clear_token == ""
+    assert our_taints(cluster.node(NODE)) and status.clear_pending == ""
 
 
 def test_dry_run_decides_everything_and_makes_no_request(tmp_path, cluster, caplog):
@@ -376,7 +390,7 @@ def test_hyperpod_labels_behind_the_flag(tmp_path, cluster):
     hyperpod = (HYPERPOD_HEALTH_LABEL, HYPERPOD_FAULT_TYPES_LABEL, HYPERPOD_FAULT_REASONS_LABEL)
     assert tuple(labels[k] for k in hyperpod) == ("UnschedulablePendingReplacement", "GPU", "GPU_XID")
     cluster.update_node(NODE, lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "1"}))
-    effects.reconcile(XID95, T0 + 200, "boot-1")
+    effects.reconcile(cleared_by("1"), T0 + 200, "boot-1")
     labels = cluster.node(NODE)["metadata"]["labels"]
     assert labels[HYPERPOD_HEALTH_LABEL] == "Schedulable"
     assert HYPERPOD_FAULT_TYPES_LABEL not in labels and HYPERPOD_FAULT_REASONS_LABEL not in labels

@@ -178,6 +178,9 @@ def test_a_held_reboot_taint_removed_by_hand_is_an_operator_clear(tmp_path, clus
     effects.reconcile(blind, T0 + 600, "boot-2")
     cluster.update_node(NODE, lambda n: n["spec"].update(taints=[]))  # kubectl taint node ... -
     status = effects.reconcile(blind, T0 + 700, "boot-2")
-    assert status.clear_token == f"taint-removed-{int(T0 + 700)}"
+    token = f"taint-removed-{int(T0 + 700)}"
+    assert status.clear_pending == token
     assert our_taints(cluster.node(NODE)) == []  # not put back
-    assert effects.reconcile(blind, T0 + 800, "boot-2").taint_effect == ""
+    assert effects.reconcile(blind, T0 + 750, "boot-2").taint_effect == ""  # while policy catches up
+    after = verdict(unobserved=("gpu",), clear_token=token)
+    assert effects.reconcile(after, T0 + 800, "boot-2").taint_effect == ""

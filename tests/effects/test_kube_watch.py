@@ -17,6 +17,7 @@ from tests.effects.helpers import (
     T0,
     XID95,
     Wakes,
+    cleared_by,
     condition,
     our_taints,
     settings_for,
@@ -104,13 +105,14 @@ def test_an_operator_clear_arrives_through_the_watch_and_wakes_the_worker(watche
     assert our_taints(cluster.node(NODE))
     wakes.event.clear()
     annotate_clear(cluster, "ticket-42")
-    assert wakes.wait(), "the watch did not wake the effects worker"
-    status = effects.reconcile(XID95, T0 + 1, "boot-1")  # what the woken worker does
+    assert wakes.wait(), "the watch did not wake the effects worker (and the loop)"
+    assert effects.pending_clear() == "ticket-42"  # what the woken loop reads into the Collection
+    status = effects.reconcile(cleared_by("ticket-42"), T0 + 1, "boot-1")  # with policy's verdict
     node = cluster.node(NODE)
     assert our_taints(node) == [] and node["metadata"]["labels"][HEALTH_LABEL] == "healthy"
     assert node["metadata"]["annotations"][CLEAR_HANDLED_ANNOTATION] == "ticket-42"
     assert condition(node, "GpuHealthy")["status"] == "True"
-    assert status.clear_token == "ticket-42" and status.pending_writes == 0
+    assert status.clear_pending == "" and status.pending_writes == 0
     assert node_reads(cluster) == []  # planned and written against the watched node
     assert sorted(e["reason"] for e in cluster.events()) == ["Cleared", "GPU_XID"]
 
@@ -121,9 +123,11 @@ def test_a_taint_removed_by_hand_is_noticed_through_the_watch(watched, cluster):
     wakes.event.clear()
     cluster.update_node(NODE, lambda n: n["spec"].update(taints=[]))  # kubectl taint node ... -
     assert wakes.wait()
+    token = f"taint-removed-{int(T0 + 1)}"
     status = effects.reconcile(XID95, T0 + 1, "boot-1")
-    assert status.clear_token == f"taint-removed-{int(T0 + 1)}"
+    assert status.clear_pending == token and effects.pending_clear() == token
     assert our_taints(cluster.node(NODE)) == []  # not put back for the findings that were open
+    effects.reconcile(cleared_by(token), T0 + 2, "boot-1")
     assert cluster.node(NODE)["metadata"]["labels"][HEALTH_LABEL] == "healthy"
     assert node_reads(cluster) == []
 
@@ -188,8 +192,9 @@ def test_410_gone_lists_again_and_watches_from_the_new_list(watched, cluster, go
     assert rewatched.query["resourceVersion"] == str(cluster.resource_version)
     assert effects.api_errors.get("watch_expired") == 1
     assert wakes.wait()
-    status = effects.reconcile(XID95, T0 + 1, "boot-1")
-    assert status.clear_token == "while-down" and our_taints(cluster.node(NODE)) == []
+    assert effects.pending_clear() == "while-down"
+    effects.reconcile(cleared_by("while-down"), T0 + 1, "boot-1")
+    assert our_taints(cluster.node(NODE)) == []
 
 
 def test_the_server_ending_the_watch_is_normal_and_it_watches_again_from_the_last_version(watched, cluster):
@@ -277,11 +282,13 @@ def test_a_watch_refused_by_rbac_falls_back_to_reading_the_node(watched, cluster
     assert not effects.watching and len(cluster.watches()) == 2  # and it does not hammer the server
     annotate_clear(cluster, "ticket-7")
     reads = len(node_reads(cluster))
-    assert effects.reconcile(XID95, T0 + 10, "boot-1").clear_token == ""  # nothing brought it yet
+    assert effects.reconcile(XID95, T0 + 10, "boot-1").clear_pending == ""  # nothing brought it yet
     assert len(node_reads(cluster)) == reads
     status = effects.reconcile(XID95, T0 + 61, "boot-1")  # the re-read interval passed
     assert len(node_reads(cluster)) >= reads + 1
-    assert status.clear_token == "ticket-7" and our_taints(cluster.node(NODE)) == []
+    assert status.clear_pending == "ticket-7"  # seen: the loop hands it to policy
+    effects.reconcile(cleared_by("ticket-7"), T0 + 62, "boot-1")
+    assert our_taints(cluster.node(NODE)) == []
 
 
 def test_a_conflict_on_a_write_still_reads_the_node_again(watched, cluster):
@@ -302,7 +309,7 @@ def test_a_deleted_and_recreated_node_gets_the_taint_again(watched, cluster):
     cluster.add_node(NODE, labels={"nvidia.com/gpu.present": "true"})  # a new uid, no taint
     assert wakes.wait()
     status = effects.reconcile(XID95, T0 + 1, "boot-1")
-    assert our_taints(cluster.node(NODE)) and status.clear_token == "" and status.pending_writes == 0
+    assert our_taints(cluster.node(NODE)) and status.clear_pending == "" and status.pending_writes == 0
 
 
 def test_close_stops_the_watch(watched, cluster):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from healthagent.effects.record import MAX_CLEARED, MAX_REPORTED, AppliedTaint, EffectsState, saved_part
+from healthagent.effects.record import MAX_REPORTED, AppliedTaint, EffectsState, saved_part
 
 
 def test_reported_actions_survive_a_round_trip_and_keep_the_newest():
@@ -16,14 +16,12 @@ def test_reported_actions_survive_a_round_trip_and_keep_the_newest():
     assert restored.reported_action("a") == "replace_node" and restored.reported_action("c") is None
 
 
-def test_reported_actions_and_cleared_keys_are_bounded_oldest_first():
+def test_reported_actions_are_bounded_oldest_first():
     state = EffectsState()
     for n in range(MAX_REPORTED + 5):
         state = state.with_reported(f"k{n}", "monitor")
     assert len(state.reported) == MAX_REPORTED
     assert state.reported_action("k0") is None and state.reported_action(f"k{MAX_REPORTED + 4}") == "monitor"
-    cleared = EffectsState().with_cleared([f"c{n}" for n in range(MAX_CLEARED + 3)]).with_cleared(["c5"])
-    assert len(cleared.cleared) == MAX_CLEARED and cleared.cleared[-1] == f"c{MAX_CLEARED + 2}"
 
 
 def test_a_bad_field_falls_back_to_its_default_or_skips_bad_entries():
@@ -35,7 +33,8 @@ def test_a_bad_field_falls_back_to_its_default_or_skips_bad_entries():
 
 
 def test_the_state_is_a_value_and_the_drivers_parts_are_saved_beside_it():
-    state = EffectsState(taint=AppliedTaint("replace_node", "NoSchedule", 10.0, "GPU_XID"), cleared=("k",))
+    state = EffectsState(taint=AppliedTaint("replace_node", "NoSchedule", 10.0, "GPU_XID"),
+                         clear_to_write="taint-removed-1700000000")
     with pytest.raises(dataclasses.FrozenInstanceError):
         state.taint = None  # type: ignore[misc]
     saved = state.to_state({"emitted": {"finding/k": 1.0}, "outbox": [], "dry_run_node": None})

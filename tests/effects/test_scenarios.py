@@ -18,7 +18,7 @@ from healthagent.effects.node_desired import (
 )
 from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action, Finding, Verdict
-from tests.effects.helpers import TAINT_KEY, T0, Wakes, settings_for, start_effects, wait_for
+from tests.effects.helpers import TAINT_KEY, T0, Wakes, cleared_by, settings_for, start_effects, wait_for
 from tests.support.clusters import NOT_READY, READY, FakeCluster, LabelChurn, RealCluster
 
 pytestmark = pytest.mark.integration
@@ -176,15 +176,17 @@ def test_operator_clear_by_annotation(tmp_path, cluster):
     effects, _ = effects_for(tmp_path, cluster)
     effects.reconcile(XID94, T0, "boot-1")
     cluster.update_node(name, lambda n: n["metadata"].setdefault("annotations", {}).update({CLEAR_ANNOTATION: "ticket-42"}))
-    status = effects.reconcile(XID94, T0 + 200, "boot-1")
+    held = effects.reconcile(XID94, T0 + 200, "boot-1")  # seen; policy has not accounted for it yet
+    assert held.clear_pending == "ticket-42" and len(ours(cluster.node(name))) == 1
+    status = effects.reconcile(cleared_by("ticket-42"), T0 + 201, "boot-1")
     node = cluster.node(name)
     assert ours(node) == [] and foreign(node) == [NOT_READY]
     assert node["metadata"]["annotations"][CLEAR_HANDLED_ANNOTATION] == "ticket-42"
     assert node["metadata"]["labels"][HEALTH_LABEL] == "healthy"
-    assert status.clear_token == "ticket-42"
+    assert status.clear_pending == ""
     assert [e["reason"] for e in events_about(cluster, name)] .count("Cleared") == 1
-    # the same verdict again: the cleared findings stay cleared, nothing is written
-    assert effects.reconcile(XID94, T0 + 210, "boot-1").pending_writes == 0
+    # the same verdict again: nothing is written
+    assert effects.reconcile(cleared_by("ticket-42"), T0 + 210, "boot-1").pending_writes == 0
     assert ours(cluster.node(name)) == []
     no_internal_errors(effects)
 
@@ -195,10 +197,15 @@ def test_operator_clear_by_removing_the_taint_by_hand(tmp_path, cluster):
     effects.reconcile(XID94, T0, "boot-1")
     cluster.update_node(name, lambda n: n["spec"].update(taints=[t for t in n["spec"]["taints"] if t["key"] != TAINT_KEY]))
     status = effects.reconcile(XID94, T0 + 61, "boot-1")  # past the resync: the node is read again
-    assert status.clear_token.startswith("taint-removed-")
+    token = status.clear_pending
+    assert token.startswith("taint-removed-")
+    assert cluster.node(name)["metadata"]["annotations"][CLEAR_ANNOTATION] == token  # a node fact now
     assert ours(cluster.node(name)) == [] and foreign(cluster.node(name)) == [NOT_READY]
-    effects.reconcile(XID94, T0 + 200, "boot-1")
-    assert ours(cluster.node(name)) == []  # not put back
+    effects.reconcile(XID94, T0 + 62, "boot-1")
+    assert ours(cluster.node(name)) == []  # not put back while policy has not accounted for it
+    effects.reconcile(cleared_by(token), T0 + 200, "boot-1")
+    assert ours(cluster.node(name)) == [] and cluster.node(name)["metadata"]["annotations"][
+        CLEAR_HANDLED_ANNOTATION] == token
     no_internal_errors(effects)
 
 
@@ -228,7 +235,7 @@ def test_past_the_budget_a_node_is_held_at_noschedule_and_goes_out_once_a_slot_f
     # the first node is replaced and cleared: its slot goes back, the held node takes it at its next look
     cluster.update_node(first_name, lambda n: n["metadata"].setdefault("annotations", {}).update(
         {CLEAR_ANNOTATION: "replaced"}))
-    first.reconcile(XID94, T0 + 181, "boot-1")
+    first.reconcile(cleared_by("replaced"), T0 + 181, "boot-1")
     assert ours(cluster.node(first_name)) == []
     status = second.reconcile(XID94, max(second.budget_recheck_at, T0 + 181), "boot-1")
     node = cluster.node(second_name)
@@ -301,8 +308,8 @@ def test_a_second_writer_churning_labels_never_delays_the_taint_or_the_clear(tmp
             assert status.pending_writes == 0 and [t["value"] for t in ours(cluster.node(name))] == ["replace_node"]
             cluster.update_node(name, lambda n: n["metadata"].setdefault("annotations", {})
                                 .update({CLEAR_ANNOTATION: "after-repair"}))
-            wait_for(lambda: effects.reconcile(XID94, T0 + 10, "boot-1").clear_token == "after-repair",
-                     what="the clear", interval=0.05)
+            wait_for(lambda: effects.pending_clear() == "after-repair", what="the clear", interval=0.05)
+            effects.reconcile(cleared_by("after-repair"), T0 + 10, "boot-1")
             assert ours(cluster.node(name)) == [] and effects.status().pending_writes == 0
             writes_during = churn.writes
         assert churn.errors == [] and writes_during >= 50

@@ -37,8 +37,8 @@ def finding(action: Action = Action.REPLACE_NODE, code: str = "GPU_XID", finding
                    pci_bus_id="0000:53:00.0", first_seen=T0, last_seen=T0, id=finding_id)
 
 
-def verdict(*findings: Finding, unobserved: tuple[str, ...] = ()) -> Verdict:
-    return Verdict.of(list(findings), T0, unobserved=unobserved)
+def verdict(*findings: Finding, unobserved: tuple[str, ...] = (), clear_token: str = "") -> Verdict:
+    return Verdict.of(list(findings), T0, unobserved=unobserved, clear_token=clear_token)
 
 
 def node(*ours: tuple[str, str, float], uid: str = "u1", annotations: dict | None = None,
@@ -59,7 +59,8 @@ APPLIED = AppliedTaint("replace_node", "NoSchedule", T0, "GPU_XID")
 FOREIGN = {"type": "GpuHealthy", "status": "False", "reason": "SomethingElse", "message": "npd"}
 
 # name, state, verdict, node, budget, now, wall ->
-#   (taint wanted, recorded taint after (value, effect) or None, budget_blocked, clear token, Event reasons)
+#   (taint wanted, recorded taint after (value, effect) or None, budget_blocked, a taint-removed clear
+#    still to write, Event reasons)
 CASES = [
     ("a fault taints NoSchedule at once", EffectsState(), REPLACE, node(), Budget.ALLOWS, T0, T0,
      ("replace_node", "NoSchedule"), ("replace_node", "NoSchedule"), False, "", ()),
@@ -108,12 +109,16 @@ CASES = [
     ("replace is sticky without a finding", replace(EffectsState(), taint=APPLIED), verdict(),
      node(("replace_node", "NoSchedule", T0)), Budget.ALLOWS, T0 + 10, T0 + 10,
      ("replace_node", "NoSchedule"), ("replace_node", "NoSchedule"), False, "", ()),
-    ("an operator's clear annotation: taint off, findings forgotten, said once",
+    ("an operator's clear annotation waits for policy: the node is held as it is",
      replace(EffectsState(), taint=APPLIED), REPLACE,
      node(("replace_node", "NoSchedule", T0), annotations={CLEAR_ANNOTATION: "ticket-1"}), Budget.UNASKED,
-     T0 + 30, T0 + 30, None, None, False, "ticket-1", ("Cleared",)),
-    ("the taint removed by hand is an operator's clear", replace(EffectsState(), taint=APPLIED), REPLACE,
-     node(), Budget.UNASKED, T0 + 30, T0 + 30, None, None, False, f"taint-removed-{int(T0 + 30)}", ("Cleared",)),
+     T0 + 30, T0 + 30, ("replace_node", "NoSchedule"), ("replace_node", "NoSchedule"), False, "", ()),
+    ("a clear policy accounted for: taint off, said once", replace(EffectsState(), taint=APPLIED),
+     verdict(clear_token="ticket-1"),
+     node(("replace_node", "NoSchedule", T0), annotations={CLEAR_ANNOTATION: "ticket-1"}), Budget.UNASKED,
+     T0 + 31, T0 + 31, None, None, False, "", ("Cleared",)),
+    ("the taint removed by hand is an operator's clear, written to the node", replace(EffectsState(), taint=APPLIED),
+     REPLACE, node(), Budget.UNASKED, T0 + 30, T0 + 30, None, None, False, "", ()),
     ("a recreated Node object forgets the taint and is tainted again",
      replace(EffectsState(), taint=APPLIED, node_uid="old"), REPLACE, node(uid="new"), Budget.ALLOWS,
      T0 + 30, T0 + 30, ("replace_node", "NoSchedule"), ("replace_node", "NoSchedule"), False, "", ()),
@@ -143,7 +148,7 @@ def test_each_transition(name, state, v, n, budget, now, wall, taint, recorded, 
     assert taint_of(result.plan) == taint
     after = result.state.taint
     assert (None if after is None else (after.value, after.effect)) == recorded
-    assert result.state.budget_blocked is blocked and result.state.clear_token == token
+    assert result.state.budget_blocked is blocked and result.state.clear_to_write == token
     reasons_seen = tuple(e.reason for e in result.noticed + result.events)
     if "ForeignConditionWriter" in reasons:
         assert len(reasons_seen) == 1 and "GpuHealthy" in result.observed.foreign
@@ -152,15 +157,23 @@ def test_each_transition(name, state, v, n, budget, now, wall, taint, recorded, 
     assert not result.state.rollback  # a plan that lands ends a rollback
 
 
-def test_the_observed_state_is_kept_even_when_the_write_does_not_land():
-    """A taint removed by hand is a clear the moment it is seen: the observed state has it, so a
-    write that fails does not turn it into a second clear with another token later."""
+def test_a_taint_removed_by_hand_becomes_a_clear_on_the_node_and_is_kept_until_written():
+    """Seen once, the removal is an operator's clear: the observed state keeps the token to write
+    (a write that fails does not make it a second clear with another token), the plan writes it as
+    the clear annotation and re-adds no taint; once on the node it is a node fact like any clear."""
     state = replace(EffectsState(), taint=APPLIED)
+    token = f"taint-removed-{int(T0 + 30)}"
     result = step(state, REPLACE, node(), Budget.UNASKED, T0 + 30, T0 + 30, CTX)
-    assert result.observed.clear_token == f"taint-removed-{int(T0 + 30)}" and result.observed.taint is None
-    again = step(result.observed, REPLACE, node(), Budget.UNASKED, T0 + 40, T0 + 40, CTX)
-    assert again.noticed == () and again.state.clear_token == result.observed.clear_token
-    assert again.state.cleared == (finding().key,)
+    assert result.observed.clear_to_write == token and result.observed.taint is None
+    assert result.plan.node_patch == {"metadata": {"annotations": {CLEAR_ANNOTATION: token}}}
+    assert result.state.clear_to_write == ""  # once that lands, the node carries it
+    again = step(result.observed, REPLACE, node(), Budget.UNASKED, T0 + 40, T0 + 40, CTX)  # the write failed
+    assert again.observed.clear_to_write == token and again.plan.node_patch == result.plan.node_patch
+    on_node = node(annotations={CLEAR_ANNOTATION: token})
+    waiting = step(result.state, REPLACE, on_node, Budget.UNASKED, T0 + 41, T0 + 41, CTX)
+    assert waiting.plan.writes == 0 and taint_of(waiting.plan) is None  # held until policy accounts for it
+    done = step(result.state, verdict(clear_token=token), on_node, Budget.UNASKED, T0 + 42, T0 + 42, CTX)
+    assert [e.reason for e in done.events] == ["Cleared"] and "removing the agent's taint" in done.events[0].note
 
 
 def test_the_budget_is_asked_only_for_a_disruptive_step_ahead():
@@ -176,5 +189,3 @@ def test_findings_are_reported_once_and_again_only_when_they_escalate():
     assert specs == ()
     state, specs, notes = report_findings(state, [finding(Action.REPLACE_NODE)], T0 + 2, "n")
     assert [s.action for s in specs] == ["Escalated"] and "escalated" in notes[0].text
-    cleared = replace(state, cleared=(finding(finding_id=2).key,))
-    assert report_findings(cleared, [finding(finding_id=2)], T0, "n")[1] == ()  # cleared: never reported

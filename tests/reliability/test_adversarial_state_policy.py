@@ -70,19 +70,21 @@ def test_an_xid_after_an_operator_clear_is_a_new_fault_while_another_writer_patc
     assert alive(runtime)
 
 
-def test_a_clear_that_arrives_during_a_slow_step_takes_only_what_was_open_then(tmp_path, fake):
+def test_a_clear_that_arrives_during_a_slow_step_waits_for_policy(tmp_path, fake):
     """The API server answers slowly (an Event create held); the operator's clear arrives through
     the watch in the middle of that step, and the loop finds a new fault meanwhile (another GPU).
-    The clear is applied in the next step, against the verdict the effects held when it arrived:
-    the new fault is not the operator's to have cleared, and the node is tainted for it again."""
+    The effects carry out nothing on their own: they hold the node as it is until policy's verdict
+    accounts for the clear (policy closed what was open when the loop saw it); the fault found
+    after the clear keeps the node tainted, and the clear is reported once, also after a restart."""
     from healthagent.model import Action, Finding, Verdict
     from tests.effects.helpers import T0, Wakes, settings_for, start_effects
 
-    def finding(pci: str, t: float) -> Finding:
+    def finding(pci: str, t: float, finding_id: int) -> Finding:
         return Finding(code="GPU_XID", action=Action.REPLACE_NODE, summary=f"XID 94 on {pci}", evidence="XID 94 x1",
-                       next_steps="replace the node", pci_bus_id=pci, xids=(94,), first_seen=t, last_seen=t)
+                       next_steps="replace the node", pci_bus_id=pci, xids=(94,), first_seen=t, last_seen=t,
+                       id=finding_id)
 
-    one, two, late = finding("0000:53:00.0", T0), finding("0000:64:00.0", T0 + 1), finding("0000:75:00.0", T0 + 2)
+    one, two, late = finding("0000:53:00.0", T0, 1), finding("0000:64:00.0", T0 + 1, 2), finding("0000:75:00.0", T0 + 2, 3)
     wakes = Wakes()
     effects = start_effects(settings_for(tmp_path, NODE), fake, watch=True, on_change=wakes,
                             watch_backoff=(0.05, 0.5))
@@ -101,17 +103,19 @@ def test_a_clear_that_arrives_during_a_slow_step_takes_only_what_was_open_then(t
         wait_until(lambda: wakes.count > woken, what="the watch seeing the clear")
         slow_event.release(apply=True)
         step.join(30)
-        assert effects.status().clear_token == ""  # that step planned before the clear came
-        newest = Verdict.of([one, two, late], T0 + 3, observation=9)  # the loop found another fault
-        status = effects.reconcile(newest, T0 + 3, "boot-1")
-        assert (status.clear_token, status.clear_as_of) == ("ticket-7", 2)
-        assert our_taints(fake) == []  # what the operator cleared is off the node
-        effects.reconcile(newest, T0 + 4, "boot-1")
-        assert our_taints(fake) == REPLACE  # the fault found after the clear: tainted again
+        assert effects.pending_clear() == "ticket-7"  # what the loop reads from the node for policy
+        held = effects.reconcile(Verdict.of([one, two, late], T0 + 3, observation=3), T0 + 3, "boot-1")
+        assert held.clear_pending == "ticket-7" and our_taints(fake) == REPLACE  # held as it is
+        assert not any(e["reason"] == "Cleared" for e in fake.events())
+        decided = Verdict.of([late], T0 + 4, observation=4, clear_token="ticket-7")  # policy closed one, two
+        status = effects.reconcile(decided, T0 + 4, "boot-1")
+        assert status.clear_pending == "" and our_taints(fake) == REPLACE  # kept for the fault after it
         assert sum(e["reason"] == "Cleared" for e in fake.events()) == 1
         assert len([e for e in gpu_xid_events(fake) if "0000:75:00.0" in e["note"]]) == 1
-        restarted = start_effects(settings_for(tmp_path, NODE), fake)  # the cut-off is saved with the token
-        assert restarted.status().clear_as_of == 2
+        restarted = start_effects(settings_for(tmp_path, NODE), fake)
+        restarted.startup(T0 + 5, "boot-1")
+        restarted.reconcile(decided, T0 + 5, "boot-1")
+        assert sum(e["reason"] == "Cleared" for e in fake.events()) == 1  # handled: never again
     finally:
         effects.close()
 
