@@ -80,7 +80,8 @@ class EffectsWorker:
         self._clock = clock
         self._wall = wall
         self.on_status = on_status
-        self._retry = retry_seconds
+        # Read before every wait, so a caller may change it before ``start`` (or between waits).
+        self.retry_seconds = retry_seconds
         self._verdict: Verdict | None = None
         self._health: tuple[SourceHealth, ...] = ()
         self._changed = threading.Event()
@@ -116,7 +117,7 @@ class EffectsWorker:
             self.failures["startup_raised"] += 1
             log.exception("effects startup failed; will retry on the next reconcile")
         while not self._stopping.is_set():
-            self._changed.wait(self._retry)
+            self._changed.wait(self.retry_seconds)
             self._changed.clear()
             with self._lock:
                 verdict, health = self._verdict, self._health

@@ -46,10 +46,17 @@ def demo(tmp_path):
     return build_demo_root(tmp_path / "root")
 
 
+# How soon the effects reconcile again by themselves (the product's DEFAULT_RETRY_SECONDS is 5 s):
+# a test that fails a write (a 500, a 409 storm, the server down) waits for that retry, and it is
+# the same reconcile at either interval.
+EFFECTS_RETRY_SECONDS = 0.2
+
+
 @pytest.fixture
 def start_agent(tmp_path, demo, fake, stub_cache, monkeypatch) -> Callable:
     """``start_agent(**flags)``: an ``AgentRuntime`` on the demo node writing to the fake API server,
-    started; stopped at the end of the test. NVML is off unless ``nvml="true"`` (then the stub)."""
+    started; stopped at the end of the test. NVML is off unless ``nvml="true"`` (then the stub).
+    The effects retry after ``EFFECTS_RETRY_SECONDS``."""
     from healthagent.demo.stub_setup import use_stub_nvml
     from healthagent.wiring import AgentRuntime
 
@@ -66,6 +73,7 @@ def start_agent(tmp_path, demo, fake, stub_cache, monkeypatch) -> Callable:
         if values["nvml"] == "true":
             use_stub_nvml(demo.scenario)
         runtime = AgentRuntime(load_settings(env={}, flags=values))
+        runtime.agent.effects_worker.retry_seconds = EFFECTS_RETRY_SECONDS
         runtime.start()
         runtimes.append(runtime)
         return runtime
