@@ -13,9 +13,20 @@ def scrape(runtime) -> Scrape:
 
 
 def wait_warm(runtime) -> None:
-    """Until the agent cycled and its effects reached the API server once (first reconcile)."""
-    wait_until(lambda: runtime.agent.cycles > 1 and runtime.agent.effects_worker.reconciles >= 1,
-               what="the agent's first reconcile")
+    """Until the agent cycled, its effects reached the API server once (first reconcile) and
+    /metrics serves what that reconcile reported.
+
+    Nothing here waits for the loop's idle cycle: a changed status rings the loop, which publishes
+    it at once, and a status that did not change is in the snapshot already."""
+    agent = runtime.agent
+    worker = agent.effects_worker
+
+    def warm() -> bool:
+        snapshot = runtime.telemetry.snapshot
+        return (agent.cycles >= 1 and worker.reconciles >= 1 and snapshot is not None
+                and snapshot.kube == worker.status)
+
+    wait_until(warm, what="the agent's first reconcile in its metrics")
 
 
 def wait_metric(runtime, predicate, what: str, timeout: float = 90.0) -> Scrape:
