@@ -66,7 +66,7 @@ def stuck_exporter(request):
 
 
 def test_dcgm_exporter_that_does_not_answer_in_time(stuck_exporter, demo, fake, start_agent):
-    runtime = start_agent(dcgm_url=stuck_exporter, dcgm_interval_seconds=0.1, dcgm_timeout_seconds=1.0)
+    runtime = start_agent(dcgm_url=stuck_exporter, dcgm_interval_seconds=0.1, dcgm_timeout_seconds=0.5)
     wait_warm(runtime)
     stuck = wait_metric(runtime, lambda s: (s.value("healthagent_source_errors_total", source="dcgm",
                                                     kind="timeout") or 0) >= 2, "two scrapes cut by the timeout")

@@ -19,7 +19,7 @@ from tests.support.live_agent import AgentProcess, wait_until, write_kubeconfig
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
-FAST = dict(nvml="true", expected_gpus=8, nvml_interval_seconds=0.2, efa_interval_seconds=0.2)
+FAST = dict(nvml="true", expected_gpus=8, nvml_interval_seconds=0.05, efa_interval_seconds=0.2)
 LOST = 5
 
 
