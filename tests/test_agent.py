@@ -243,3 +243,18 @@ def test_the_warm_objects_are_frozen_once_after_the_first_cycle_only_by_the_proc
     finally:
         running.stop(grace_seconds=5)
     assert frozen_after == ([1] if owns_process else [])
+
+
+def test_the_loop_sleeps_at_most_idle_seconds_when_no_source_is_due(tmp_path):
+    """``idle_seconds`` bounds the sleep between cycles whatever the source intervals: the liveness
+    probe wants a cycle within its heartbeat timeout."""
+    _, settings = demo_settings(tmp_path, efa_interval_seconds="600", idle_seconds="2.5")
+    running = AgentRuntime(settings)
+    try:
+        running.agent.cycle()
+        if running.agent.data_waiter() is None:
+            pytest.skip("no inotify for the kernel-log file here: the loop polls it every kmsg_poll_seconds")
+        assert 2.0 < running.agent.next_wait() <= 2.5
+    finally:
+        running.agent.shutdown(grace_seconds=5)
+        running.server.stop()

@@ -97,6 +97,9 @@ def test_non_finite_floats_from_yaml_are_refused(tmp_path):
     ({"dcgm_url": "http://local host/metrics"}, "dcgm_url", "http(s)://HOST[:PORT]/PATH"),
     ({"training_token": "two words"}, "training_token", "printable ASCII"),
     ({"source_timeout_seconds": "0"}, "source_timeout_seconds", "greater than 0"),
+    ({"idle_seconds": "0"}, "idle_seconds", "greater than 0"),
+    ({"idle_seconds": "-1"}, "idle_seconds", "greater than 0"),
+    ({"idle_seconds": "31"}, "idle_seconds", "use at most 30"),
 ])
 def test_values_kubernetes_or_the_agent_would_reject_later_fail_at_start(settings, needle, fix):
     with pytest.raises(ConfigError) as err:
