@@ -53,7 +53,7 @@ from healthagent.effects.node_desired import (
 )
 from healthagent.effects.state import StateStore
 from healthagent.model import Action, KubeStatus
-from tests.effects.helpers import T0, TAINT_KEY, XID95, settings_for
+from tests.effects.helpers import T0, TAINT_KEY, XID95, cleared_by, settings_for
 from tests.support.deploy import find
 from tests.support.wait import wait_for
 
@@ -873,7 +873,9 @@ def test_the_agent_reacts_to_xid95_with_only_its_privileges(world, tmp_path, hyp
                                     _content_type=STRATEGIC)
         wait_for(lambda: CLEAR_ANNOTATION in ((effects.node or {}).get("metadata", {}).get("annotations") or {}),
                  60, "the watch to bring the operator's clear")
-        nothing_pending_nor_refused(effects.reconcile(XID95, after_grace + 10, "boot-1"))
+        assert effects.pending_clear() == "ticket-7"  # what the loop hands to policy
+        # policy's verdict for the clear (it closed the finding): with it, the clear is carried out
+        nothing_pending_nor_refused(effects.reconcile(cleared_by("ticket-7"), after_grace + 10, "boot-1"))
         node = world.node()
         assert own_taints(world) == [] and budget_slots_held_by(world, world.a) == 0
         assert node["metadata"]["annotations"][CLEAR_HANDLED_ANNOTATION] == "ticket-7"
