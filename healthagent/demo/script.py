@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 POLL_SECONDS = 0.02
 DEMO_GRACE_SECONDS = 3.0  # NoSchedule -> NoExecute for replace_node; 120 s on a real node
+# The effects pass over the node by themselves this often in the demo (5 s on a real node), so the
+# NoExecute step lands within half a second of its grace rather than up to 5 s after it.
+DEMO_EFFECTS_PASS_SECONDS = 0.5
 DEMO_JOB = "demo-job"
 
 
@@ -75,6 +78,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
         use_stub_nvml(node.scenario)
         runtime = AgentRuntime(settings)
+        if runtime.agent.effects_worker is not None:
+            runtime.agent.effects_worker.retry_seconds = DEMO_EFFECTS_PASS_SECONDS
         runtime.start()
         try:
             return _script(args, node, runtime)
@@ -164,7 +169,12 @@ def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> 
     _say(f"   taint effect now: {kube.taint_effect or 'none'}; budget holding it back: {kube.budget_blocked}")
 
     _say("\n4. What Prometheus scrapes from the agent now")
-    _wait_for(lambda: True, 0.2)
+
+    def published() -> bool:  # /metrics serves this verdict and what the effects last reported
+        snapshot = runtime.telemetry.snapshot
+        return snapshot is not None and snapshot.verdict is agent.verdict and snapshot.kube == agent.kube_status
+
+    _wait_for(published, 10)
     for line in _metrics_excerpt(metrics_url, ("healthagent_xid_errors_total", "healthagent_node_action",
                                                "healthagent_findings", "healthagent_gpu_up{gpu=\"%d\"" % args.gpu)):
         _say(f"   {line}")
