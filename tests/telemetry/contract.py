@@ -1,4 +1,4 @@
-"""The brief's metric list (name, type, labels), written out independently of the code, and the
+"""The documented metric contract (name, type, labels), written out independently of the code, and the
 helpers that read a scrape with prometheus_client's parser."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from tests.telemetry.snapshots import EFA_COUNTERS
 
 G = ("gpu", "uuid")
 
-# The brief's list (name without prefix, type, labels), written out independently of the code.
+# The contract's list (name without prefix, type, labels), written out independently of the code.
 CONTRACT: list[tuple[str, str, tuple[str, ...]]] = [
     ("gpu_info", "gauge", ("gpu", "uuid", "pci_bus_id", "model_name", "driver_version")),
     ("gpu_up", "gauge", ("gpu", "uuid", "pci_bus_id")),
@@ -57,7 +57,7 @@ CONTRACT: list[tuple[str, str, tuple[str, ...]]] = [
     ("training_jobs_evicted_total", "counter", ()),
 ] + [(f"efa_{c}_total", "counter", ("efa_device", "port")) for c in EFA_COUNTERS if c != "lifespan"]
 
-# Added beyond the brief's list (documented in docs/metrics.md); same conventions.
+# Added beyond the first list (documented in docs/metrics.md); same conventions.
 EXTRAS = [
     ("training_rendezvous_total", "counter", ("job",)),
     ("training_jobs", "gauge", ()),

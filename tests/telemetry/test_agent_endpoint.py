@@ -1,4 +1,4 @@
-"""The issue's "done when": scrape the real HTTP endpoint of a running agent on the demo node.
+"""Scrape the real HTTP endpoint of a running agent on the demo node.
 
 Everything is real: ``AgentRuntime`` (the object ``healthagent run`` starts) on the bundled demo
 host root (32 EFA devices in a sysfs tree, a /dev/kmsg-format log, 8 x H100 through the stub

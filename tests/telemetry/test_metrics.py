@@ -1,4 +1,4 @@
-"""The exporter against the brief's metric list: scraped over real HTTP, parsed by prometheus_client."""
+"""The exporter against the documented metric contract: scraped over real HTTP, parsed by prometheus_client."""
 
 from __future__ import annotations
 
