@@ -37,7 +37,7 @@ ALERTS = alert_rules()
 ALERT_NAMES = [a["alert"] for a in ALERTS]
 TEST_FILES = sorted(RULE_TESTS_DIR.glob("*.yaml"))
 
-# Alerts issue 6 asks for (at least), by what they are about.
+# The alerts the rules must have (at least), by what they are about.
 REQUIRED_ALERTS = {
     "HealthagentNodeNeedsReplacement", "HealthagentNodeNeedsReboot", "HealthagentGpuDoubleBitError",
     "HealthagentGpuRowRemapFailure", "HealthagentGpuRowRemapPending", "HealthagentGpuLost",

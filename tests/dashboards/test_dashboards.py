@@ -34,7 +34,7 @@ EXPECTED_DASHBOARDS = {
     "elastic-training.json": ("healthagent-training", {"cluster", "node", "job"}),
 }
 
-# Panels issue 6 asks for, by dashboard (title -> a metric its queries must use).
+# The panels each dashboard must have (title -> a metric its queries must use).
 REQUIRED_PANELS = {
     "fleet-gpu-health.json": {
         "Nodes by verdict": "healthagent_node_action",

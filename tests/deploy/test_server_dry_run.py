@@ -136,7 +136,7 @@ def kubectl_on_server(control_plane: ControlPlane, kubectl: str, tmp_path_factor
     crds = find_crds()
     if crds is None:
         pytest.skip("needs prometheus-operator's CRDs (ServiceMonitor, PodMonitor, PrometheusRule): "
-                    "no crds/ folder beside KUBEBUILDER_ASSETS nor ../shared/envtest/crds")
+                    "no crds/ folder beside KUBEBUILDER_ASSETS nor in the envtest folder beside the checkout")
     names = crd_names(crds)
     if not names:
         pytest.skip(f"no CustomResourceDefinition in {crds}")

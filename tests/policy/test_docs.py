@@ -8,7 +8,7 @@ from healthagent.policy.settings import THRESHOLDS
 
 DOC = (Path(__file__).parents[2] / "docs" / "findings.md").read_text(encoding="utf-8")
 
-# The stable codes as the brief fixes them (docs, alerts and dashboards use them).
+# The stable finding codes (docs, alerts and dashboards use them).
 BRIEF_CODES = """GPU_XID NVSWITCH_SXID GPU_ECC_DBE GPU_SBE_STORM GPU_ROW_REMAP_FAILURE GPU_ROW_REMAP_PENDING
 GPU_RETIRED_PAGES GPU_RETIRED_PAGES_PENDING GPU_LOST GPU_MISSING GPU_INIT_FAILED GPU_NVLINK_ERRORS GPU_PCIE_REPLAY
 GPU_THERMAL_THROTTLE GPU_POWER_THROTTLE EFA_DEVICE_MISSING EFA_ADMIN_QUEUE_STUCK EFA_CMD_ERRORS

@@ -35,7 +35,7 @@ TOOL_TIMEOUT_SECONDS = 120
 
 def contract_metric_names() -> set[str]:
     """Every series name the agent exports: the product's metric table (healthagent/telemetry/spec.py,
-    the brief's contract) plus one ``efa_<counter>_total`` per EFA driver counter of the reference
+    the metric contract) plus one ``efa_<counter>_total`` per EFA driver counter of the reference
     (never ``lifespan``); histograms with their _bucket/_sum/_count series."""
     from healthagent.telemetry import spec
     from tests.support.efa_reference import efa_counter_facts
