@@ -43,10 +43,6 @@ class DecisionClock:
     def __call__(self) -> float:
         return self.epoch + self.monotonic()
 
-    def at_monotonic(self, seconds: float) -> float:
-        """This clock's value at a monotonic-clock reading (a kernel-log record's stamp)."""
-        return self.epoch + seconds
-
 
 def fresh_epoch(wall: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> float:
     """The wall time at which the monotonic clock read zero, as the wall clock says now."""

@@ -79,7 +79,7 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
         from healthagent.sources.nvml import NvmlSource
 
         nvml = NvmlSource(expected_gpus=expected_inventory(settings)[0], on_event=on_event,
-                          **({"clock": clock} if clock is not None else {}))
+                          clock=clock or time.time)
         # The loop drains nvml.take_events() itself (a queue, never a driver call).
         scheduled.append(Scheduled(DeadlineSource(nvml, deadline), settings.nvml_interval_seconds))
     scheduled.append(Scheduled(DeadlineSource(EfaSource(settings.host_root), deadline),

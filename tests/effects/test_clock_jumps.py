@@ -45,7 +45,6 @@ def test_the_decision_clock_moves_only_with_the_monotonic_clock():
     ticks = iter([10.0, 12.5])
     clock = DecisionClock(epoch=1000.0, monotonic=lambda: next(ticks))
     assert clock() == 1010.0 and clock() == 1012.5
-    assert clock.at_monotonic(3.0) == 1003.0
     wall = [5000.0]
     assert fresh_epoch(wall=lambda: wall[0], monotonic=lambda: 40.0) == 4960.0
 
