@@ -16,6 +16,7 @@ import argparse
 import logging
 import secrets
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -182,6 +183,10 @@ def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> 
         from healthagent.training.access import job_token
 
         token = job_token(runtime.settings.training_token, DEMO_JOB)
+        # Ctrl-C and SIGTERM end the wait below whatever this process inherited: a shell starts a
+        # background job with SIGINT ignored, and Python then keeps it ignored.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.default_int_handler)
         _say(f"\nserving {metrics_url} and {intake_url} until Ctrl-C; report a training step with "
              f"this run's token for job {DEMO_JOB!r}:")
         _say(f"   curl -s -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' "

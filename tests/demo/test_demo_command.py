@@ -66,8 +66,10 @@ def test_prepare_writes_a_root_that_check_reads(tmp_path):
 def test_keep_running_serves_both_ports_and_its_job_token_opens_the_intake():
     if shutil.which("cc") is None:
         pytest.skip("cc not installed: the demo's stub libnvidia-ml.so.1 cannot be built")
+    # Started as a shell starts a background job (SIGINT ignored): Ctrl-C must still end it.
     demo = subprocess.Popen([sys.executable, "-m", "healthagent", "demo", "--keep-running"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         curl = None
         for line in demo.stdout:  # ends when the demo exits; it prints the command, then serves
@@ -84,5 +86,8 @@ def test_keep_running_serves_both_ports_and_its_job_token_opens_the_intake():
             assert (reply.status, json.loads(reply.read())) == (202, {"accepted": 1})
     finally:
         demo.send_signal(signal.SIGINT)
-        demo.wait(60)
+        try:
+            demo.wait(60)
+        finally:
+            demo.kill()  # a no-op once it has exited
     assert demo.returncode == 0
