@@ -51,7 +51,7 @@ def assert_exactly_one_taint_and_event(fake, budget_unreadable: bool = False) ->
         events[event["reason"]] = events.get(event["reason"], 0) + 1
     blocked = [e for e in delivered if e["reason"] == "TaintBlockedByBudget"]
     if budget_unreadable and blocked:
-        assert len(blocked) == 1 and "could not be read or written" in blocked[0]["message"]
+        assert len(blocked) == 1 and "could not be read or written" in blocked[0]["note"]
         events.pop("TaintBlockedByBudget")
     assert events == {"GPU_XID": 1}
 
