@@ -205,6 +205,25 @@ def condition_managers(node: Mapping, ctype: str) -> tuple[str, ...]:
     return tuple(found)
 
 
+def label_managers(node: Mapping, key: str) -> tuple[str, ...] | None:
+    """The field managers that own label ``key`` (``metadata.managedFields``), or None where the
+    server keeps no managedFields at all (dry-run, a server that strips them): then who wrote the
+    label cannot be told from the node."""
+    entries = (node.get("metadata") or {}).get("managedFields")
+    if not isinstance(entries, list) or not entries:
+        return None
+    found: list[str] = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        labels = (((entry.get("fieldsV1") or {}).get("f:metadata") or {}).get("f:labels") or {})
+        if isinstance(labels, dict) and f"f:{key}" in labels:
+            manager = str(entry.get("manager") or "")
+            if manager and manager not in found:
+                found.append(manager)
+    return tuple(found)
+
+
 def _keyed_type(key: str) -> str | None:
     """The type in a managedFields list key ``k:{"type":"Ready"}``; None for anything else."""
     if not key.startswith("k:"):

@@ -78,6 +78,19 @@ def foreign_condition_event(ctype: str, why: str, now: float) -> EventSpec:
                                     "the other writer (or set condition_vocabulary=healthagent)."), at=now)
 
 
+def hyperpod_kept_event(value: str, action: Action, code: str, finding_key: str, now: float) -> EventSpec:
+    """The Event that says, once per finding and value, that HyperPod's node-health-status holds a
+    request of another writer (HyperPod's own health agent, an operator) that the agent keeps
+    rather than overwrite with its own."""
+    return EventSpec(
+        key=f"hyperpod-kept/{value}/{finding_key or '-'}", type=NORMAL, reason="HyperPodRequestKept",
+        action="LeftAlone",
+        note=clip_note(f"The node needs {action.value} ({code or 'no finding'}), and its "
+                       f"sagemaker.amazonaws.com/node-health-status already says {value}, set by another writer. "
+                       "The agent keeps that value and its fault labels (it never overwrites another "
+                       "writer's request); its taint stays on the node."), at=now)
+
+
 def budget_held_event(finding_key: str, action: Action, code: str, budget: str, now: float) -> EventSpec:
     """The Event that says, once per held episode, that the node has its NoSchedule taint and waits
     for a slot of the disruption budget before its disruptive step. ``budget``: the budget as the

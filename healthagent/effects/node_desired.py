@@ -41,6 +41,12 @@ from healthagent.effects.conditions import (
     Vocabulary,
     area_of,
 )
+from healthagent.effects.hyperpod import (
+    HYPERPOD_FAULT_REASONS_LABEL,
+    HYPERPOD_FAULT_TYPES_LABEL,
+    HYPERPOD_HEALTH_LABEL,
+    hyperpod_labels,
+)
 from healthagent.model import Action, Finding, SourceHealth
 
 HEALTH_LABEL = "healthagent.io/health"
@@ -48,14 +54,6 @@ CLEAR_ANNOTATION = "healthagent.io/clear"  # written by operators, only read by 
 CLEAR_HANDLED_ANNOTATION = "healthagent.io/clear-handled"  # the last clear the agent acted on
 TAINT_BOOT_ANNOTATION = "healthagent.io/taint-boot-id"  # the boot a fault needing the taint was open in
 
-HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
-HYPERPOD_FAULT_TYPES_LABEL = "sagemaker.amazonaws.com/fault-types"
-HYPERPOD_FAULT_REASONS_LABEL = "sagemaker.amazonaws.com/fault-reasons"
-HYPERPOD_PENDING_REPLACEMENT = "UnschedulablePendingReplacement"
-HYPERPOD_PENDING_REBOOT = "UnschedulablePendingReboot"
-HYPERPOD_SCHEDULABLE = "Schedulable"
-HYPERPOD_PENDING = {Action.REPLACE_NODE: HYPERPOD_PENDING_REPLACEMENT,
-                    Action.REBOOT_NODE: HYPERPOD_PENDING_REBOOT}
 
 GPU_CONDITION = DEFAULT.gpu_type  # the default vocabulary's types
 EFA_CONDITION = DEFAULT.efa_type
@@ -109,15 +107,6 @@ def observed_by(code: str) -> tuple[str, ...]:
     if code.startswith("NVSWITCH_"):
         return ("kernel_log",)
     return ("gpu",)
-
-
-def fault_type_of(code: str) -> str:
-    """A short fault category for HyperPod's fault-types label (the agent's own vocabulary)."""
-    if code.startswith("EFA_"):
-        return "EFA"
-    if code.startswith("NVSWITCH_"):
-        return "NVSwitch"
-    return "GPU"
 
 
 # -- the desired state -----------------------------------------------------------------------------
@@ -435,37 +424,20 @@ def plan_labels(
     unobserved: bool = False,
 ) -> dict[str, str | None]:
     """Owned labels: the health label always (it says what is wrong even while the budget holds the
-    node); HyperPod's labels only with ``hyperpod`` on.
-
-    HyperPod reboots or replaces a node whose node-health-status says UnschedulablePending*, so
-    that value is disruptive: it is set only together with the agent's taint, once the grace has
-    passed (the job checkpoints first) and only while the node holds a budget slot. When the
-    agent's taint is gone, or the budget holds the node (a slot lost in a race after the value was
-    written), the label is given back as ``Schedulable`` (HyperPod's healthy value, which jobs
-    select on; the taint still keeps pods off) - but only while it still holds the value the agent
-    wrote; otherwise it is not touched.
-    """
+    node); HyperPod's labels (``effects/hyperpod.py``) only with ``hyperpod`` on."""
     labels: dict[str, str | None] = {HEALTH_LABEL: health_value(shown, unobserved)}
-    if not hyperpod:
-        return labels
-    current = labels_of(node)
-    our_value = HYPERPOD_PENDING.get(_action_of(current.get(HEALTH_LABEL)))
-    ours_now = our_value is not None and current.get(HYPERPOD_HEALTH_LABEL) == our_value
-    if taint.taint is not None and taint.disruptive_ready:
-        labels[HYPERPOD_HEALTH_LABEL] = HYPERPOD_PENDING[Action(taint.taint.value)]
-        labels[HYPERPOD_FAULT_TYPES_LABEL] = fault_type_of(leading_code or "GPU")
-        labels[HYPERPOD_FAULT_REASONS_LABEL] = _label_value(leading_code or REPLACE_PENDING_REASON)
-    elif ours_now and (taint.taint is None or taint.budget_blocked):
-        labels[HYPERPOD_HEALTH_LABEL] = HYPERPOD_SCHEDULABLE
-        labels[HYPERPOD_FAULT_TYPES_LABEL] = None
-        labels[HYPERPOD_FAULT_REASONS_LABEL] = None
+    if hyperpod:
+        effect = taint.taint
+        labels.update(hyperpod_labels(
+            node, agent_action(node), Action(effect.value) if effect is not None else None,
+            disruptive_ready=taint.disruptive_ready, held=taint.budget_blocked, leading_code=leading_code))
     return labels
+
+
+def agent_action(node: Mapping) -> Action | None:
+    """The node action the agent's own health label on ``node`` names, if any."""
+    return _action_of(labels_of(node).get(HEALTH_LABEL))
 
 
 def _action_of(health: str | None) -> Action | None:
     return {REBOOT_REQUIRED: Action.REBOOT_NODE, REPLACE_REQUIRED: Action.REPLACE_NODE}.get(health or "")
-
-
-def _label_value(text: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:63].strip("-_.")
-    return cleaned or "unknown"

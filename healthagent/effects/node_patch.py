@@ -45,7 +45,7 @@ def node_patch(node: Mapping, desired: DesiredNode, taint_key: str, wall: float)
 
 def _taints_after(node: Mapping, want: TaintSpec | None, taint_key: str, wall: float) -> list | None:
     """The full taint list after the change, or None when the agent's taints are already right
-    (``timeAdded`` is the wall time ``wall``: people and the API read it)."""
+    (``timeAdded`` is the wall time ``wall`` of a new effect: people and the API read it)."""
     current = list((node.get("spec") or {}).get("taints") or [])
     ours = [t for t in current if t.get("key") == taint_key]
     if want is None:
@@ -54,7 +54,11 @@ def _taints_after(node: Mapping, want: TaintSpec | None, taint_key: str, wall: f
         return [t for t in current if t.get("key") != taint_key]
     if len(ours) == 1 and ours[0].get("value") == want.value and ours[0].get("effect") == want.effect:
         return None
-    entry = {"key": taint_key, "value": want.value, "effect": want.effect, "timeAdded": rfc3339(wall)}
+    # An escalation (reboot_node, then replace_node) under the same effect keeps the taint's
+    # timeAdded: pods that tolerate a NoExecute for a while count from it, and so does the grace.
+    same_effect = [t for t in ours if t.get("effect") == want.effect and t.get("timeAdded")]
+    added = same_effect[0]["timeAdded"] if same_effect else rfc3339(wall)
+    entry = {"key": taint_key, "value": want.value, "effect": want.effect, "timeAdded": added}
     result, placed = [], False
     for taint in current:
         if taint.get("key") != taint_key:

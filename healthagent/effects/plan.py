@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from healthagent.effects.conditions import vocabulary
+from healthagent.effects.hyperpod import hyperpod_kept
 from healthagent.effects.node_desired import (
     CLEAR_ANNOTATION,
     CLEAR_HANDLED_ANNOTATION,
@@ -45,6 +46,7 @@ from healthagent.effects.node_desired import (
     Pending,
     TaintPlan,
     TaintSpec,
+    agent_action,
     annotations_of,
     boot_annotation,
     carries_no_execute,
@@ -102,6 +104,7 @@ class NodePlan:
     leading_key: str
     leading_code: str
     wants_slot: bool = False  # a slot covers this plan's disruptive step (``slot_wanted``)
+    hyperpod_kept: str = ""  # another writer's HyperPod value kept where the agent would write its own
 
     @property
     def writes(self) -> int:
@@ -240,10 +243,12 @@ def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | 
     annotations = {CLEAR_HANDLED_ANNOTATION: clear.token} if clear else {}
     annotations.update(boot_annotation(node, taint, findings))
     desired = DesiredNode(taint=taint.taint, labels=labels, annotations=annotations, conditions=conditions)
+    kept = hyperpod_kept(node, agent_action(node), Action(taint.taint.value) if taint.taint else None,
+                         taint.disruptive_ready) if settings.hyperpod_labels else ""
     return NodePlan(desired=desired, node_patch=node_patch(node, desired, key, wall),
                     status_patch=status_patch(node, desired, wall), taint=taint, clear=clear,
                     findings=findings, shown=shown, leading_key=findings[0].key if findings else "",
-                    leading_code=leading_code, wants_slot=slot_wanted(shown, node, settings))
+                    leading_code=leading_code, wants_slot=slot_wanted(shown, node, settings), hyperpod_kept=kept)
 
 
 def hold_plan(node: dict, taint_key: str, clear_to_write: str, wall: float) -> NodePlan:

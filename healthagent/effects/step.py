@@ -38,6 +38,7 @@ from healthagent.effects.events import (
     escalation_event,
     finding_event,
     foreign_condition_event,
+    hyperpod_kept_event,
 )
 from healthagent.effects.node_desired import (
     CLEAR_ANNOTATION,
@@ -229,6 +230,9 @@ def landed(state: EffectsState, plan: NodePlan, basis: dict, verdict: Verdict | 
         state = replace(state, taint=replace(recorded, effect=want.effect))
         notes.append(Note(WARNING, f"effects node={ctx.node_name} taint=changed value={want.value} "
                                    f"effect={want.effect} since_taint_seconds={now - recorded.since:.0f}"))
+    if plan.hyperpod_kept:  # said once per finding and value: the ledger delivers a key once
+        events.append(hyperpod_kept_event(plan.hyperpod_kept, plan.shown, plan.leading_code, plan.leading_key,
+                                          wall))
     state, spec, note = _budget_episode(state, plan, wall, ctx)
     events.extend(spec)
     notes.extend(note)

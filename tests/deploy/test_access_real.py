@@ -38,19 +38,15 @@ from healthagent.effects.budget import (
 )
 from healthagent.effects.budget_leases import LeaseStore
 from healthagent.effects.events import EVENTS_NAMESPACE, REPORTING_CONTROLLER, EventSpec, event_body
-from healthagent.effects.kube import NodeEffects
-from healthagent.effects.node_desired import (
-    CLEAR_ANNOTATION,
-    CLEAR_HANDLED_ANNOTATION,
-    GPU_CONDITION,
-    HEALTH_LABEL,
+from healthagent.effects.hyperpod import (
     HYPERPOD_FAULT_REASONS_LABEL,
     HYPERPOD_FAULT_TYPES_LABEL,
     HYPERPOD_HEALTH_LABEL,
     HYPERPOD_PENDING_REPLACEMENT,
     HYPERPOD_SCHEDULABLE,
-    REPLACE_REQUIRED,
 )
+from healthagent.effects.kube import NodeEffects
+from healthagent.effects.node_desired import CLEAR_ANNOTATION, CLEAR_HANDLED_ANNOTATION, GPU_CONDITION, HEALTH_LABEL, REPLACE_REQUIRED
 from healthagent.effects.state import StateStore
 from healthagent.model import Action, KubeStatus
 from tests.effects.helpers import T0, TAINT_KEY, XID95, cleared_by, settings_for

@@ -124,7 +124,11 @@ def test_node_patch_keeps_foreign_taints_in_place_and_pins_no_resource_version()
     assert patch["metadata"] == {"labels": {HEALTH_LABEL: "replace-required"}}
     assert [(t["key"], t.get("value")) for t in patch["spec"]["taints"]] == [
         ("a.io/x", None), (TAINT_KEY, "replace_node"), ("b.io/y", None)]
-    assert patch["spec"]["taints"][1]["timeAdded"] == rfc3339(T0 + 5)
+    # an escalation under the same effect keeps timeAdded (NoExecute tolerations count from it);
+    # a new effect is added now
+    assert patch["spec"]["taints"][1]["timeAdded"] == node["spec"]["taints"][1]["timeAdded"] != rfc3339(T0 + 5)
+    evicting = node_patch(node, DesiredNode(taint=TaintSpec("replace_node", "NoExecute")), TAINT_KEY, T0 + 5)
+    assert evicting["spec"]["taints"][1]["timeAdded"] == rfc3339(T0 + 5)
     removal = node_patch(node, DesiredNode(taint=None), TAINT_KEY, T0)
     assert [t["key"] for t in removal["spec"]["taints"]] == ["a.io/x", "b.io/y"]
     assert "metadata" not in removal
