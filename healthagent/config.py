@@ -38,6 +38,7 @@ MAXIMA: dict[str, float] = {
     **dict.fromkeys(("nvml_interval_seconds", "efa_interval_seconds", "dcgm_interval_seconds"), 3600.0),
     **dict.fromkeys(("dcgm_timeout_seconds", "source_timeout_seconds"), 600.0),
     "kmsg_poll_seconds": 60.0, "state_save_interval_seconds": 86400.0,
+    "foreign_condition_quiet_seconds": 86400.0,
     "idle_seconds": 30.0,  # half the liveness probe's heartbeat timeout (60 s)
     "replace_noexecute_grace_seconds": 7 * 86400.0, "training_job_idle_seconds": 30 * 86400.0,
     "expected_gpus": 1024, "expected_efa_devices": 1024, "kmsg_max_records_per_cycle": 10_000_000,
@@ -94,6 +95,10 @@ class Settings:
                        "NetworkingReady, which Karpenter node repair and EKS node auto repair act on; only on "
                        "clusters without the EKS node monitoring agent)",
         "use one of: " + ", ".join(CONDITION_VOCABULARIES))
+    foreign_condition_quiet_seconds: float = _setting(
+        660.0, "the longest another writer of one of the agent's conditions (the EKS node monitoring agent) "
+               "may go without writing it before the agent takes the condition back; a writer seen writing "
+               "more often is released after three of its longest gaps, at least 60 s")
     budget_max_fraction: float = _setting(0.10, "largest share of GPU nodes that may carry the taint",
                                           "use a fraction between 0 and 1, e.g. 0.1")
     budget_max_nodes: int | None = _setting(None, "largest number of GPU nodes that may carry the taint")
@@ -239,7 +244,7 @@ def _validate(s: Settings) -> None:
         raise bad("training_token", "contains spaces or characters an HTTP header cannot carry")
     for key in ("nvml_interval_seconds", "efa_interval_seconds", "kmsg_poll_seconds", "idle_seconds",
                 "dcgm_interval_seconds", "dcgm_timeout_seconds", "source_timeout_seconds",
-                "state_save_interval_seconds"):
+                "state_save_interval_seconds", "foreign_condition_quiet_seconds"):
         if getattr(s, key) <= 0:
             raise ConfigError(f"{key}: must be greater than 0 seconds")
     if s.replace_noexecute_grace_seconds < 0:

@@ -68,14 +68,27 @@ def escalation_event(finding: Finding, previous: Action, now: float) -> EventSpe
 
 
 def foreign_condition_event(ctype: str, why: str, now: float) -> EventSpec:
-    """The Event that says, once per condition type, that another writer owns a condition of the
-    agent's vocabulary and the agent leaves it alone (the EKS node monitoring agent, typically)."""
-    return EventSpec(key=f"condition-left-alone/{ctype}", type=WARNING, reason="ConditionOwnedElsewhere",
+    """The Event that says another writer writes a condition of the agent's vocabulary (the EKS
+    node monitoring agent, typically) and the agent leaves it alone while it does."""
+    return EventSpec(key=f"condition-left-alone/{ctype}/{int(now)}", type=WARNING, reason="ConditionOwnedElsewhere",
                      action="LeftAlone",
-                     note=clip_note(f"The node's {ctype} condition has another writer ({why}). The agent does "
-                                    f"not write {ctype} on this node, so the two never overwrite each other; it "
-                                    "still taints, labels and reports Events. To have the agent write it, remove "
-                                    "the other writer (or set condition_vocabulary=healthagent)."), at=now)
+                     note=clip_note(f"The node's {ctype} condition has another writer ({why}). While it writes "
+                                    f"{ctype}, the agent does not, so the two never overwrite each other; the agent "
+                                    "still taints (NoExecute after the grace), labels and reports Events, but no "
+                                    "engine is asked to repair the node through this condition. To have a failed "
+                                    "node replaced anyway, use HyperPod's labels (the hyperpod overlay), or remove "
+                                    "the other writer: once it has stopped writing, the agent takes the condition "
+                                    "back by itself (foreign_condition_quiet_seconds)."), at=now)
+
+
+def condition_taken_back_event(ctype: str, quiet: float, now: float) -> EventSpec:
+    """The Event that says the other writer of a condition has gone quiet and the agent writes the
+    condition again."""
+    return EventSpec(key=f"condition-taken-back/{ctype}/{int(now)}", type=NORMAL, reason="ConditionTakenBack",
+                     action="TakenBack",
+                     note=clip_note(f"The other writer of the node's {ctype} condition has not written it for "
+                                    f"{quiet:.0f} s: the agent writes {ctype} again. If that writer comes back, "
+                                    "the agent steps back again."), at=now)
 
 
 def hyperpod_kept_event(value: str, action: Action, code: str, finding_key: str, now: float) -> EventSpec:

@@ -133,7 +133,7 @@ class NodeEffects:
         self.on_change = on_change
         self._plan_settings = PlanSettings(settings.taint_key, settings.replace_noexecute_grace_seconds,
                                            settings.hyperpod_labels, settings.reboot_node_noexecute,
-                                           settings.condition_vocabulary)
+                                           settings.condition_vocabulary, settings.foreign_condition_quiet_seconds)
         self._vocabulary = vocabulary(settings.condition_vocabulary)
         leases = None if self.dry_run else LeaseStore(self.backend, agent_namespace(settings.budget_namespace))
         self.budget = BudgetGuard(

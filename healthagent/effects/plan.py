@@ -82,6 +82,7 @@ class PlanSettings:
     hyperpod_labels: bool
     reboot_noexecute: bool = True  # reboot_node gets NoExecute after the grace, as replace_node does
     condition_vocabulary: str = "healthagent"  # or "eks" (effects/conditions.py)
+    foreign_quiet_seconds: float = 660.0  # the most another writer's condition waits to be taken back
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from healthagent.effects.other_writers import OtherWriter
+
 STATE_KEY = "effects"
 RECORD_VERSION = 2
 MAX_REPORTED = 1024  # as many findings as the Event ledger remembers delivered keys
@@ -54,9 +56,9 @@ class EffectsState:
     boot_id: str = ""
     # finding key -> the most severe action an Event reported for it (oldest first, bounded)
     reported: tuple[tuple[str, str], ...] = ()
-    # Not saved: what this run learnt. Condition types another writer owns (left alone), and a
-    # slot reclaimed before the node's taint landed (the node goes back to held NoSchedule).
-    foreign: frozenset[str] = field(default=frozenset(), compare=False)
+    # Not saved: what this run learnt. Other writers of the agent's conditions (``other_writers.py``),
+    # and a slot reclaimed before the node's taint landed (the node goes back to held NoSchedule).
+    foreign: tuple[OtherWriter, ...] = field(default=(), compare=False)
     rollback: bool = False
 
     def reported_action(self, key: str) -> str | None:

@@ -30,11 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from healthagent.effects.conditions import Vocabulary, foreign_conditions
+from healthagent.effects.conditions import Vocabulary
 from healthagent.effects.events import (
     NORMAL,
     EventSpec,
     budget_held_event,
+    condition_taken_back_event,
     escalation_event,
     finding_event,
     foreign_condition_event,
@@ -58,6 +59,7 @@ from healthagent.effects.plan import (
     needs_budget,
     plan_node,
 )
+from healthagent.effects.other_writers import left_alone, track
 from healthagent.effects.record import AppliedTaint, EffectsState
 from healthagent.model import Action, Finding, SourceHealth, Verdict
 
@@ -127,14 +129,19 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
     """What the node tells the agent about operators and other writers (see the module text)."""
     events: list[EventSpec] = []
     notes: list[Note] = []
-    for other in foreign_conditions(node, ctx.vocab):
-        if other.type in state.foreign:
-            continue
-        state = replace(state, foreign=state.foreign | {other.type})
-        notes.append(Note(WARNING, f"effects node={ctx.node_name} condition={other.type} left_alone=1 "
-                                   f"reason={other.reason or '-'}: {other.why}; the agent does not write it "
-                                   "(one writer per condition)"))
-        events.append(foreign_condition_event(other.type, other.why, wall))
+    writers, changes = track(state.foreign, node, ctx.vocab, now, ctx.settings.foreign_quiet_seconds)
+    state = replace(state, foreign=writers)
+    for change in changes:
+        other = change.writer
+        if change.kind == "noticed":
+            notes.append(Note(WARNING, f"effects node={ctx.node_name} condition={other.type} left_alone=1 "
+                                       f"reason={other.reason or '-'}: {other.why}; the agent does not write it "
+                                       "while the other writer does (one writer per condition)"))
+            events.append(foreign_condition_event(other.type, other.why, wall))
+        else:
+            notes.append(Note(WARNING, f"effects node={ctx.node_name} condition={other.type} taken_back=1: its "
+                                       f"other writer has been quiet for {change.quiet_seconds:.0f} s"))
+            events.append(condition_taken_back_event(other.type, change.quiet_seconds, wall))
     uid = str((node.get("metadata") or {}).get("uid") or "")
     if uid and state.node_uid and uid != state.node_uid and state.taint is not None:
         notes.append(Note(WARNING, f"effects node={ctx.node_name} object recreated (uid {state.node_uid} -> "
@@ -192,8 +199,8 @@ def cleared(clear: ClearRequest, wall: float, node_name: str) -> tuple[EventSpec
 def plan_for(state: EffectsState, verdict: Verdict | None, node: dict, budget: Budget, now: float,
              wall: float, ctx: StepContext) -> NodePlan:
     """The plan against ``node`` for an already observed state."""
-    return plan_node(verdict, node, state.taint, budget, ctx.settings, now, ctx.health, state.foreign, wall,
-                     state.clear_to_write)
+    return plan_node(verdict, node, state.taint, budget, ctx.settings, now, ctx.health, left_alone(state.foreign),
+                     wall, state.clear_to_write)
 
 
 def landed(state: EffectsState, plan: NodePlan, basis: dict, verdict: Verdict | None, now: float,

@@ -12,6 +12,7 @@ intermediate write (a node patch landed, the status patch not yet) would be seen
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -123,4 +124,77 @@ def test_hyperpods_own_replacement_is_kept_over_the_agents_reboot(tmp_path, clus
     effects.reconcile(Verdict.of([], T0 + 900), T0 + 900, "boot-2")
     node = cluster.node(name)
     assert ours(node) == [] and {k: node["metadata"]["labels"].get(k) for k in theirs} == theirs
+    no_internal_errors(effects)
+
+
+NMA_MANAGER = "eks-node-monitoring-agent"
+
+
+class MonitoringAgent:
+    """Writes ``AcceleratedHardwareReady=True`` as the EKS node monitoring agent does: a JSON merge
+    patch of the whole conditions list on ``/status``, under its own field manager, its reason
+    ``NvidiaGPUIsReady``, a fresh ``lastHeartbeatTime`` each write."""
+
+    def __init__(self, cluster, name: str) -> None:
+        self.cluster, self.name = cluster, name
+        self.writes = 0
+
+    def write(self) -> None:
+        from healthagent.effects.api_time import rfc3339
+
+        self.writes += 1
+        stamp = rfc3339(T0 + self.writes)
+        mine = {"type": "AcceleratedHardwareReady", "status": "True", "reason": "NvidiaGPUIsReady",
+                "message": "Monitoring for the Nvidia GPU system is active", "lastHeartbeatTime": stamp,
+                "lastTransitionTime": rfc3339(T0)}
+        node = self.cluster.node(self.name)
+        conditions = [c for c in node["status"]["conditions"] if c["type"] != mine["type"]] + [mine]
+        if self.cluster.kind == "real":
+            from kubernetes import client
+
+            client.CoreV1Api(self.cluster.api_client()).patch_node_status(
+                self.name, {"status": {"conditions": conditions}}, field_manager=NMA_MANAGER,
+                _content_type="application/merge-patch+json")
+            time.sleep(1.05)  # managedFields times have one-second resolution: one write, one time
+        else:
+            self.cluster.update_node(self.name, lambda n: n["status"].update(conditions=conditions))
+
+
+def test_the_condition_is_taken_back_once_the_monitoring_agent_stops_writing(tmp_path, cluster):  # noqa: F811
+    """While the monitoring agent writes the condition (every 5 s here), the agent leaves it alone
+    and still taints; once it stops, the agent owns the condition again within 5 minutes, with no
+    restart and no hand edit, says so in one Event, and asks for the repair."""
+    name = cluster.name(0)
+    nma = MonitoringAgent(cluster, name)
+    nma.write()
+    effects, _ = effects_for(tmp_path, cluster, condition_vocabulary="eks", replace_noexecute_grace_seconds=0.0)
+    fault = Verdict.of([xid_finding(94, Action.REPLACE_NODE, "0000:53:00.0", XID94_LINE)], T0)
+    now = T0
+    while now < T0 + 60:  # it writes every 5 s: the agent leaves AcceleratedHardwareReady to it
+        effects.reconcile(fault, now, "boot-1")
+        gpu = next(c for c in cluster.node(name)["status"]["conditions"] if c["type"] == "AcceleratedHardwareReady")
+        assert gpu["reason"] == "NvidiaGPUIsReady", now - T0
+        nma.write()
+        now += 5
+    stopped = now
+    assert [(t["value"], t["effect"]) for t in ours(cluster.node(name))] == [("replace_node", "NoExecute")]
+    taken = None
+    while now <= stopped + 300:
+        effects.reconcile(fault, now, "boot-1")
+        gpu = next(c for c in cluster.node(name)["status"]["conditions"] if c["type"] == "AcceleratedHardwareReady")
+        if gpu["reason"] != "NvidiaGPUIsReady":
+            taken = now
+            break
+        now += 5
+    assert taken is not None, "the agent never took the condition back"
+    assert stopped + 60 <= taken <= stopped + 300  # quiet for three of its 5 s gaps, at least a minute
+    assert (gpu["status"], gpu["reason"]) == ("False", "NvidiaXID94Error")
+    said = {e["reason"] for e in events_about(cluster, name)}
+    assert {"ConditionOwnedElsewhere", "ConditionTakenBack"} <= said
+    # it comes back: the agent steps back again at once
+    nma.write()
+    effects.reconcile(fault, now + 5, "boot-1")
+    effects.reconcile(fault, now + 10, "boot-1")
+    gpu = next(c for c in cluster.node(name)["status"]["conditions"] if c["type"] == "AcceleratedHardwareReady")
+    assert gpu["reason"] == "NvidiaGPUIsReady"
     no_internal_errors(effects)
