@@ -4,9 +4,11 @@ Why two: ``GpuHealthy``/``EfaHealthy`` (the default, ``healthagent``) say what n
 would say, and nothing acts on them by itself. ``eks`` speaks the EKS node monitoring agent's
 vocabulary, ``AcceleratedHardwareReady`` for GPU (and NVSwitch) findings and ``NetworkingReady`` for
 EFA findings, with the reasons that ecosystem uses (``NvidiaXID79Error``, ``NvidiaDoubleBitError``,
-...). Karpenter's node repair and EKS managed node groups' node auto repair replace (or reboot) a
-node whose condition of those types stays ``False`` past their wait, so in ``eks`` mode a ``False``
-is a disruption: it is *gated* (``Vocabulary.gated``). It says ``False`` only for a node action
+...). Karpenter's node repair (v1.14.1, feature gate ``NodeRepair``) replaces a node whose condition
+of those types stays ``False`` past its wait (10 minutes for ``AcceleratedHardwareReady``, 30 for
+``NetworkingReady`` in the AWS provider), reading only the condition's type and status, and EKS
+managed node groups' node auto repair reboots or replaces it, so in ``eks`` mode a ``False`` is a
+disruption: it is *gated* (``Vocabulary.gated``). It says ``False`` only for a node action
 (``reboot_node``, ``replace_node``) that the agent is taking - its taint on the node, the job's
 NoExecute grace over, and the node holding a slot of the disruption budget - and ``True`` with a
 message otherwise (``RepairAfterGrace`` in the grace, ``RepairHeldByBudget`` while the budget holds
@@ -16,8 +18,9 @@ Never two writers: the EKS node monitoring agent writes the same types. A condit
 types that the agent did not write is left alone (``foreign_conditions``): its reason is not one
 the agent ever writes under the vocabulary (the monitoring agent's ``NvidiaGPUIsReady``,
 ``NetworkingIsReady``, ``IPAMDNotReady``, ...), or ``metadata.managedFields`` shows another field
-manager writing its status or reason. The agent's own writes carry the field manager
-``healthagent`` (the API server takes it from the User-Agent, which ``identify`` sets).
+manager writing its status or reason; ``effects/other_writers.py`` takes it back once that writer
+has gone quiet. The agent's own writes carry the field manager ``healthagent`` (the API server
+takes it from the User-Agent, which ``identify`` sets).
 
 Pure functions and tables; no I/O.
 """
@@ -61,7 +64,8 @@ COINED = "coined by healthagent"
 # Finding code -> (reason in the eks vocabulary, where the name comes from). The monitoring
 # agent's names are from its reason table (aws/eks-node-monitoring-agent pkg/reasons, the EKS
 # user guide's "Node health issues"); where it has no name for what the agent finds, the reason
-# is coined in the same style, never containing "XID" (Karpenter matches XIDs by a pattern).
+# is coined in the same style, never containing "XID", so no reader that picks an action from an
+# XID number in a reason (managed node groups' per-reason repair actions) mistakes one for an XID.
 EKS_REASONS: dict[str, tuple[str, str]] = {
     "GPU_XID": ("NvidiaXID<N>Error", NMA),
     "GPU_ECC_DBE": ("NvidiaDoubleBitError", NMA),

@@ -280,14 +280,13 @@ def test_another_writer_of_the_condition_is_left_alone_and_said_once(tmp_path, c
     assert writers == ("healthagent",), writers  # the agent's writes carry its own field manager
 
 
-def test_the_reason_pattern_is_what_karpenter_matches():
-    """Karpenter's repair policies match AcceleratedHardwareReady reasons against
-    ``.*XID(64|74|79|119|120).*`` (replace) and similar: the agent's XID reasons carry the number
-    right after "XID", followed by "Error", so XID 14 never reads as XID 140."""
-    replace = re.compile(r".*XID(64|74|79|119|120).*")
-    assert replace.fullmatch(eks_reason(found("GPU_XID", xids=(79,))))
-    assert not replace.fullmatch(eks_reason(found("GPU_XID", xids=(7,))))
-    assert not re.compile(r".*XID(140).*").fullmatch(eks_reason(found("GPU_XID", xids=(14,))))
+def test_an_xid_reason_names_exactly_its_number():
+    """Per-reason repair actions (managed node groups' nodeRepairConfigOverrides) match the reason
+    as a whole: the number comes right after "XID" and "Error" right after it, so XID 14 never
+    reads as XID 140, and the reasons the agent coins never contain "XID"."""
+    assert eks_reason(found("GPU_XID", xids=(79,))) == "NvidiaXID79Error"
+    assert eks_reason(found("GPU_XID", xids=(14,))) == "NvidiaXID14Error"
+    assert not re.compile(r".*XID140.*").fullmatch(eks_reason(found("GPU_XID", xids=(14,))))
 
 
 # -- the eks-node-repair overlay --------------------------------------------------------------------
