@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -65,6 +66,11 @@ COUNT_MAX_AGE_SECONDS = 600.0  # the fleet re-counts its GPU nodes when the coun
 COUNT_CLAIM_SECONDS = 60.0  # a re-count claimed this recently is someone else's to finish
 RECHECK_JITTER = 0.5  # the next look comes after interval * [1 - j, 1 + j] seconds
 MAX_RECHECK_STRETCH = 4  # a node held again and again looks every base * 1, 2, 4, 4, ... seconds
+CLOCK_SKEW_SECONDS = 60.0  # a Lease time this far in the future is not believed
+MAX_GPU_NODES = 100_000  # past this a count is implausible (the largest clusters run a few 10,000 nodes)
+MAX_SLOT_DIGITS = 4
+_COUNT_DIGITS = re.compile(r"[0-9]{1,6}")
+_SLOT_DIGITS = re.compile(r"0|[1-9][0-9]{0,%d}" % (MAX_SLOT_DIGITS - 1))
 
 
 def budget_limit(total: int, fraction: float, max_nodes: int | None) -> int:
@@ -100,9 +106,21 @@ def slot_name(index: int) -> str:
 
 
 def slot_index(name: str) -> int | None:
-    """The index in a slot Lease's name; None for any other name."""
+    """The index in a slot Lease's name; None for any other name (ASCII digits only, no leading
+    zero, at most ``MAX_SLOT_DIGITS``: ``str.isdigit`` also accepts "²", which ``int`` refuses)."""
     digits = name[len(SLOT_PREFIX):] if name.startswith(SLOT_PREFIX) else ""
-    return int(digits) if digits.isdigit() and str(int(digits)) == digits else None
+    return int(digits) if _SLOT_DIGITS.fullmatch(digits) else None
+
+
+def parse_gpu_nodes(text: object) -> int | None:
+    """The count Lease's number of GPU nodes, or None when it is not one a count can be: ASCII
+    digits only, at most ``MAX_GPU_NODES``. Any node holding the Lease's RBAC can write it, so a
+    value that does not parse or is implausible is no count (the smallest limit, and a re-count),
+    never an exception and never a limit larger than a real fleet's."""
+    if not isinstance(text, str) or not _COUNT_DIGITS.fullmatch(text):
+        return None
+    nodes = int(text)
+    return nodes if nodes <= MAX_GPU_NODES else None
 
 
 @dataclass(frozen=True)
@@ -131,10 +149,12 @@ class GpuCount:
     lease: Mapping[str, Any]
 
     def due(self, now: float) -> bool:
-        """Should this agent re-count (old or missing, and nobody is at it)?"""
+        """Should this agent re-count (old or missing, and nobody is at it)? A count or a claim
+        stamped in the future (past ``CLOCK_SKEW_SECONDS``) is neither fresh nor busy: a clock
+        far ahead, or a forged ``renewTime``, must not keep the count from ever being taken again."""
         fresh = self.nodes is not None and self.counted_at is not None and \
-            now - self.counted_at < COUNT_MAX_AGE_SECONDS
-        busy = self.claimed_at is not None and now - self.claimed_at < COUNT_CLAIM_SECONDS
+            -CLOCK_SKEW_SECONDS <= now - self.counted_at < COUNT_MAX_AGE_SECONDS
+        busy = self.claimed_at is not None and -CLOCK_SKEW_SECONDS <= now - self.claimed_at < COUNT_CLAIM_SECONDS
         return not fresh and not busy
 
 
@@ -196,8 +216,8 @@ def read_view(items: Iterable[Mapping], selector: str, fraction: float, max_node
 def _read_count(lease: Mapping, selector: str, renewed: float | None, acquired: float | None,
                 version: str) -> GpuCount:
     annotations = (lease.get("metadata") or {}).get("annotations") or {}
-    text = str(annotations.get(GPU_NODES_ANNOTATION, ""))
-    nodes = int(text) if text.isdigit() and annotations.get(SELECTOR_ANNOTATION) == selector else None
+    nodes = parse_gpu_nodes(annotations.get(GPU_NODES_ANNOTATION)) \
+        if annotations.get(SELECTOR_ANNOTATION) == selector else None
     claimed = acquired if acquired is not None and (renewed is None or acquired > renewed) else None
     return GpuCount(nodes, renewed if nodes is not None else None, claimed, version, lease)
 
@@ -235,8 +255,14 @@ def claimed_count(lease: Mapping, holder: str, now: float) -> dict:
     """The count Lease claimed for a re-count: ``holder`` and ``acquireTime`` now; the old count
     and its ``renewTime`` stay readable meanwhile."""
     body = _copy(lease)
-    body["spec"]["holderIdentity"] = holder
-    body["spec"]["acquireTime"] = micro_time(now)
+    spec = body["spec"]
+    spec["holderIdentity"] = holder
+    spec["acquireTime"] = micro_time(now)
+    renewed = parse_rfc3339(spec.get("renewTime"))
+    if renewed is None or renewed - now > CLOCK_SKEW_SECONDS:
+        spec.pop("renewTime", None)  # a time no one can believe (or the server would refuse) goes
+    else:
+        spec["renewTime"] = micro_time(renewed)
     return body
 
 

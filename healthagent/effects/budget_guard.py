@@ -136,6 +136,12 @@ class BudgetGuard:
             self.note = f"the budget's Leases could not be read or written ({exc})"
             self._memo = Budget.HOLDS
             return self._memo
+        except Exception as exc:  # a Lease no parser foresaw: fail closed, never abort the node's write
+            log.exception("effects node=%s budget=unreadable", self._node)
+            self._tally.count("budget_unreadable", f"node={self._node} {exc!r}; the node stays at NoSchedule")
+            self.note = f"the budget's Leases could not be understood ({exc!r})"
+            self._memo = Budget.HOLDS
+            return self._memo
         self._memo = self._answer(slot, now)
         self._renew_due = slot is not None
         return self._memo
@@ -179,6 +185,11 @@ class BudgetGuard:
         except ApiError as exc:
             self._upkeep_at = now + self._delay()
             self._failure(exc, f"cannot keep the budget's Leases in step with the node ({exc})")
+            return False
+        except Exception as exc:  # a Lease or a reply no parser foresaw: try again later, never raise
+            log.exception("effects node=%s budget=unreadable", self._node)
+            self._upkeep_at = now + self._delay()
+            self._tally.count("budget_unreadable", f"node={self._node} {exc!r}")
             return False
         self._upkeep_at = None
         return False

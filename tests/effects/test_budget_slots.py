@@ -22,6 +22,7 @@ from healthagent.effects.budget import (
     GPU_NODES_ANNOTATION,
     SLOT_GRACE_SECONDS,
     claimed_count,
+    counted,
     held_lease,
     new_lease,
     slot_name,
@@ -414,7 +415,8 @@ def test_an_old_count_is_counted_again_after_a_decision_and_only_once(tmp_path, 
     assert len(node_lists(cluster)) == 1
     count = next(lease for lease in cluster.leases(NAMESPACE) if lease["metadata"]["name"] == COUNT_LEASE)
     assert count["metadata"]["annotations"][GPU_NODES_ANNOTATION] == "30"
-    peer = started(tmp_path / "peer", cluster, node="gpu-node-1")
+    peer = start_effects(settings_for(tmp_path / "peer", "gpu-node-1"), cluster)
+    peer.startup(later + 1, "boot-1")
     peer.reconcile(XID95, later + 1, "boot-1")
     assert len(node_lists(cluster)) == 1  # fresh for everyone else
 
@@ -468,3 +470,49 @@ def test_dry_run_asks_no_budget_at_all(tmp_path):
     effects.startup(T0 - 1, "boot-1")
     status = effects.reconcile(XID95, T0, "boot-1")
     assert status.taint_effect == "NoSchedule" and not status.budget_blocked
+
+
+# -- Leases any node could have written: parsed defensively, never trusted past what is plausible -------
+
+def poisoned_count(fake, nodes: str, at: float = T0 - 5, **spec: str) -> None:
+    lease = counted(new_lease(COUNT_LEASE, NAMESPACE, "count"), 20, "nvidia.com/gpu.present=true", at)
+    lease["metadata"]["annotations"][GPU_NODES_ANNOTATION] = nodes
+    lease["spec"].update(spec)
+    fake.put_lease(NAMESPACE, lease)
+
+
+def the_count(fake) -> str:
+    lease = next(lease for lease in fake.leases(NAMESPACE) if lease["metadata"]["name"] == COUNT_LEASE)
+    return lease["metadata"]["annotations"][GPU_NODES_ANNOTATION]
+
+
+@pytest.mark.parametrize("nodes", ["\u00b2", "9" * 401, "-3", " 20", "20.0", "1e9", "", "100001"])
+def test_a_count_that_is_no_number_of_nodes_fails_safe_and_is_counted_again(tmp_path, cluster, nodes):
+    """A superscript two passes ``str.isdigit`` and breaks ``int``; 401 digits overflow the limit's
+    float product. Either used to abort the reconcile, so the faulty node got no taint at all."""
+    poisoned_count(cluster, nodes)
+    agent = started(tmp_path, cluster, replace_noexecute_grace_seconds=0.0)
+    result = agent.reconcile(XID95, T0, "boot-1")
+    assert effects(cluster) == {NODE: "NoExecute"} and not result.budget_blocked  # the smallest limit, 1
+    assert the_count(cluster) == "20" and agent.errors == {}  # taken again, and healed for everyone
+
+
+@pytest.mark.parametrize("field", ["renewTime", "acquireTime"])
+def test_a_count_or_claim_stamped_far_in_the_future_is_not_believed(tmp_path, cluster, field):
+    """A renewTime in 2099 kept a count fresh forever (an inflated count would have ruled the
+    fleet); an acquireTime in 2099 kept every agent from counting again."""
+    old = T0 - COUNT_MAX_AGE_SECONDS - 100 if field == "acquireTime" else T0 - 5  # the claim: on a due count
+    poisoned_count(cluster, "100000", at=old, **{field: "2099-01-01T00:00:00.000000Z"})
+    agent = started(tmp_path, cluster)
+    agent.reconcile(XID95, T0, "boot-1")
+    assert the_count(cluster) == "20"
+
+
+def test_a_slot_lease_with_a_name_no_agent_writes_is_ignored(tmp_path, cluster):
+    for odd in ("\u00b2", "007", "9" * 401):
+        lease = held_lease(new_lease(f"healthagent-budget-slot-{odd}", NAMESPACE, "slot"), "gpu-node-5", T0,
+                           acquired=True)
+        cluster.put_lease(NAMESPACE, lease)
+    agent = started(tmp_path, cluster, replace_noexecute_grace_seconds=0.0)
+    agent.reconcile(XID95, T0, "boot-1")
+    assert effects(cluster) == {NODE: "NoExecute"} and agent.errors == {}
