@@ -476,6 +476,10 @@ LABELS = ("healthagent may change only labels under healthagent.io/ and HyperPod
 ANNOTATIONS = "healthagent may change only annotations under healthagent.io/ and HyperPod's fault-details"
 CONDITIONS = "healthagent may change only the GpuHealthy and EfaHealthy node conditions"
 CAPACITY = "healthagent may not change a node's capacity or allocatable resources"
+SPEC = ("healthagent may change only its own taints in a node's spec (not providerID, podCIDR(s), externalID "
+        "or configSource)")
+STATUS = ("healthagent may change only its own conditions in a node's status (not addresses, nodeInfo, "
+          "daemonEndpoints, images, volumes, phase or config)")
 EVENT_OTHER_NODE = "healthagent on node {a} may write Events only about its own node, not about Node {b}"
 EVENT_NO_NODE = ("healthagent: the service-account token names no node (Kubernetes 1.30+ with "
                  "ServiceAccountTokenPodNodeInfo is required); refusing to write an Event about Node {a}")
@@ -677,6 +681,25 @@ DENIED_BY_POLICY = {
         lambda w: json_patch(w, w.a, [{"op": "remove", "path": pointer("status", "capacity", "nvidia.com/gpu")}],
                              status=True),
         ByPolicy(NODE_POLICY, CAPACITY)),
+    # the rest of the node's own spec and status
+    "strategic merge: set providerID": Case(
+        lambda w: strategic(w, w.a, {"spec": {"providerID": "aws:///us-east-1a/i-0fff"}}), ByPolicy(NODE_POLICY, SPEC)),
+    "strategic merge: set podCIDR": Case(
+        lambda w: strategic(w, w.a, {"spec": {"podCIDR": "10.0.0.0/24", "podCIDRs": ["10.0.0.0/24"]}}),
+        ByPolicy(NODE_POLICY, SPEC)),
+    "strategic merge on /status: addresses": Case(
+        lambda w: strategic(w, w.a, {"status": {"addresses": [{"type": "InternalIP", "address": "10.9.9.9"}]}},
+                            status=True), ByPolicy(NODE_POLICY, STATUS)),
+    "strategic merge on /status: forge nodeInfo.bootID (ends a reboot taint)": Case(
+        lambda w: strategic(w, w.a, {"status": {"nodeInfo": {"bootID": "forged-boot"}}}, status=True),
+        ByPolicy(NODE_POLICY, STATUS)),
+    "strategic merge on /status: kubelet port 1": Case(
+        lambda w: strategic(w, w.a, {"status": {"daemonEndpoints": {"kubeletEndpoint": {"Port": 1}}}}, status=True),
+        ByPolicy(NODE_POLICY, STATUS)),
+    "strategic merge on /status: images": Case(
+        lambda w: strategic(w, w.a, {"status": {"images": [{"names": ["registry.example/evil:latest"],
+                                                            "sizeBytes": 1}]}}, status=True),
+        ByPolicy(NODE_POLICY, STATUS)),
     # Events about anything but its own node
     "an Event about node B": Case(
         lambda w: w.agent.events.create_namespaced_event(EVENTS_NAMESPACE, agent_event(w.b, w.uids[w.b])),

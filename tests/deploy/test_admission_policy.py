@@ -330,7 +330,39 @@ def allocatable_changed(n):
     n["status"]["allocatable"]["nvidia.com/gpu"] = "0"
 
 
+def provider_id_changed(n):
+    n["spec"]["providerID"] = "aws:///us-east-1a/i-0fff"
+
+
+def pod_cidr_set(n):
+    n["spec"]["podCIDR"] = "10.0.0.0/24"
+    n["spec"]["podCIDRs"] = ["10.0.0.0/24"]
+
+
+def addresses_set(n):
+    n["status"]["addresses"] = [{"type": "InternalIP", "address": "10.9.9.9"}]
+
+
+def boot_id_forged(n):
+    # status.nodeInfo.bootID is what ends a reboot_node taint: a node's token must not fake a reboot
+    n["status"]["nodeInfo"] = {"bootID": "forged-boot"}
+
+
+def kubelet_port_changed(n):
+    n["status"]["daemonEndpoints"] = {"kubeletEndpoint": {"Port": 1}}
+
+
+def images_listed(n):
+    n["status"]["images"] = [{"names": ["registry.example/evil:latest"], "sizeBytes": 1}]
+
+
 DENIED = {
+    "change the provider id": (provider_id_changed, "in a node's spec"),
+    "set the pod CIDRs": (pod_cidr_set, "in a node's spec"),
+    "set the node's addresses": (addresses_set, "in a node's status"),
+    "forge the boot id": (boot_id_forged, "in a node's status"),
+    "change the kubelet's port": (kubelet_port_changed, "in a node's status"),
+    "list images": (images_listed, "in a node's status"),
     "cordon the node": (cordon, "cordon"),
     "add a foreign taint": (foreign_taint_added, "taints"),
     "remove a foreign taint": (foreign_taint_removed, "taints"),
