@@ -28,6 +28,7 @@ KUBE_MODES = ("in-cluster", "kubeconfig", "dry-run", "off")
 CONDITION_VOCABULARIES = ("healthagent", "eks")  # healthagent/effects/conditions.py
 TRAINING_INTAKE_MODES = ("token", "open", "off")
 TRAINING_PORT = 9412
+MIN_TRAINING_KEY_CHARS = 32  # 128 random bits written as hex
 _NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
 
 
@@ -242,6 +243,10 @@ def _validate(s: Settings) -> None:
             raise bad("dcgm_url", f"{s.dcgm_url!r} {problem}")
     if not re.fullmatch(r"[\x21-\x7e]*", s.training_token):
         raise bad("training_token", "contains spaces or characters an HTTP header cannot carry")
+    if s.training_token and len(s.training_token) < MIN_TRAINING_KEY_CHARS:
+        # every job token is derived from the key: a short one is found by trying them all
+        raise bad("training_token", f"is {len(s.training_token)} characters; a key needs at least "
+                                    f"{MIN_TRAINING_KEY_CHARS} (128 random bits as hex)")
     for key in ("nvml_interval_seconds", "efa_interval_seconds", "kmsg_poll_seconds", "idle_seconds",
                 "dcgm_interval_seconds", "dcgm_timeout_seconds", "source_timeout_seconds",
                 "state_save_interval_seconds", "foreign_condition_quiet_seconds"):

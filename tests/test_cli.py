@@ -178,7 +178,7 @@ def test_every_setting_can_be_set_on_the_command_line(tmp_path):
                "dcgm_url": "http://localhost:9400/metrics", "policy_file": str(tmp_path / "p.yaml"),
                "state_file": str(tmp_path / "s.json"), "taint_key": "healthagent.io/other",
                "budget_node_selector": "gpu=yes", "hyperpod_labels": "true", "log_level": "DEBUG",
-               "training_token": "t0ken", "training_intake": "open", "training_listen": "127.0.0.1:9998",
+               "training_token": "t0ken-00000000000000000000000000000000", "training_intake": "open", "training_listen": "127.0.0.1:9998",
                "condition_vocabulary": "eks"}
     defaults = Settings()
     for f in fields(Settings):

@@ -96,6 +96,8 @@ def test_non_finite_floats_from_yaml_are_refused(tmp_path):
     ({"dcgm_url": "http://localhost:99999/metrics"}, "dcgm_url", "http(s)://HOST[:PORT]/PATH"),
     ({"dcgm_url": "http://local host/metrics"}, "dcgm_url", "http(s)://HOST[:PORT]/PATH"),
     ({"training_token": "two words"}, "training_token", "printable ASCII"),
+    ({"training_token": "0123456789abcdef"}, "training_token", "16 characters; a key needs at least 32"),
+    ({"training_token": "x" * 31}, "training_token", "openssl rand -hex 32"),
     ({"source_timeout_seconds": "0"}, "source_timeout_seconds", "greater than 0"),
     ({"idle_seconds": "0"}, "idle_seconds", "greater than 0"),
     ({"idle_seconds": "-1"}, "idle_seconds", "greater than 0"),
@@ -118,8 +120,8 @@ def test_the_training_token_never_appears_in_an_error_or_a_repr():
     with pytest.raises(ConfigError) as err:
         load_settings(env={"HEALTHAGENT_TRAINING_TOKEN": secret})
     assert "s3cret" not in str(err.value)
-    settings = load_settings(env={"HEALTHAGENT_TRAINING_TOKEN": "s3cret-token"})
-    assert settings.training_token == "s3cret-token" and "s3cret" not in repr(settings)
+    settings = load_settings(env={"HEALTHAGENT_TRAINING_TOKEN": "s3cret-token-0123456789abcdef0123"})
+    assert settings.training_token == "s3cret-token-0123456789abcdef0123" and "s3cret" not in repr(settings)
 
 
 @pytest.mark.parametrize("settings", [
@@ -133,7 +135,7 @@ def test_the_training_token_never_appears_in_an_error_or_a_repr():
     {"dcgm_url": "http://localhost:9400/metrics"},
     {"dcgm_url": "https://[fd00::1]:9400/metrics"},
     {"dcgm_url": ""},  # unset: off
-    {"training_token": "0123456789abcdef"},
+    {"training_token": "0123456789abcdef0123456789abcdef"},
     {"source_timeout_seconds": "0.5"},
 ])
 def test_valid_values_are_accepted(settings):

@@ -35,6 +35,7 @@ from healthagent.telemetry.http_listener import Handler, Limits, Listener
 from healthagent.training.access import IntakeAccess, Refusal
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.training.intake import IntakeReply, TrainingIntake
+from healthagent.training.throttle import FailureThrottle
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class AgentServer:
         self.telemetry = telemetry
         self.intake = intake
         self.access = access if access is not None else IntakeAccess()  # closed without a key
+        self.throttle = FailureThrottle(clock=monotonic)  # failed credentials, per client address
         self.heartbeat_timeout_seconds = float(heartbeat_timeout_seconds)
         self.max_body_bytes = int(max_body_bytes)
         self._monotonic = monotonic
@@ -205,8 +207,17 @@ class _IntakeHandler(Handler):
     def _training(self) -> None:
         agent: AgentServer = self.server.context
         intake = agent.intake
+        address = str(self.client_address[0]) if self.client_address else ""
+        wait = agent.throttle.retry_after(address)
+        if wait > 0:  # too many failed credentials from this address: not even looked at
+            self.close_connection = True
+            self._reply(intake.reject("rate_limited", f"too many failed credentials from {address}; "
+                                                      f"retry in {wait:.0f} s", 429),
+                        {"Retry-After": str(max(1, round(wait)))})
+            return
         grant = agent.access.check(self.headers.get("Authorization", ""))
         if isinstance(grant, Refusal):
+            agent.throttle.failed(address)
             self._refuse(intake, grant, agent.max_body_bytes)
             return
         media_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()

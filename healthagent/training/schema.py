@@ -32,7 +32,7 @@ MAX_BATCH = 1_000
 REJECT_REASONS: tuple[str, ...] = (
     "content_type", "length_required", "body_too_large", "malformed_json", "batch_too_large",
     "not_an_object", "unknown_type", "missing_field", "wrong_type", "negative", "not_finite",
-    "out_of_range", "bad_job", "unauthorized", "wrong_job",
+    "out_of_range", "bad_job", "unauthorized", "wrong_job", "rate_limited",
 )
 
 REPORT_TYPES = ("step", "rendezvous", "end")

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 # Kubernetes in dry-run makes no API writes; a healthy source counts no errors.
 NO_SAMPLES_ON_THE_DEMO_NODE = {"sxid_errors_total", "gpu_retired_pages", "gpu_retired_pages_pending",
                                "kube_writes_total", "source_errors_total"}
-KEY = "0123456789abcdef-training-key"
+KEY = "0123456789abcdef-training-key-0123456789"
 
 
 def scrape(port: int) -> dict:

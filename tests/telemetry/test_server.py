@@ -181,7 +181,7 @@ def test_connections_over_the_cap_are_refused_and_the_server_recovers():
     assert set(server.errors) == {"refused"} and server.errors["refused"] >= 1
 
 
-KEY = "s3cret-cluster-key"
+KEY = "s3cret-cluster-key-0123456789abcdef"
 
 
 def post_as(agent, authorization: str | None, body: bytes = b'{"type":"end","job":"j"}'):
