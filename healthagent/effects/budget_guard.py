@@ -146,6 +146,33 @@ class BudgetGuard:
         self._renew_due = slot is not None
         return self._memo
 
+    def confirm(self, now: float) -> Budget:
+        """Right before a disruptive step: one GET of this node's slot, by name. ALLOWS while it
+        still names this node; ROLLBACK when another node holds it now or it is gone (a peer's
+        forged write, a reclaim: the node goes back to held NoSchedule and asks again); HOLDS when
+        it cannot be read (the step waits, the slot is kept)."""
+        if self._store is None or self.slot is None:
+            return Budget.ALLOWS
+        try:
+            current = _slot(self._store.read(self.slot.name))
+        except ApiRejected as exc:
+            if exc.status != 404:
+                self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
+                return Budget.HOLDS
+            current = None
+        except ApiError as exc:
+            self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
+            return Budget.HOLDS
+        if current is not None and current.holder == self._node:
+            self.slot = current
+            return Budget.ALLOWS
+        holder = current.holder if current is not None else "nobody (the Lease is gone)"
+        log.warning("effects node=%s budget=slot_lost slot=%s holder=%s: no disruptive step without "
+                    "a slot of its own; back to NoSchedule", self._node, self.slot.name, holder or "nobody")
+        self._tally.count("budget_slot_lost", f"node={self._node} slot {self.slot.name} now held by {holder}")
+        self.slot, self._memo = None, None
+        return Budget.ROLLBACK
+
     def slot_lost(self, now: float) -> bool:
         """Right after the first node write that landed with a new slot: re-write the slot (a
         reclaim that read it before fails now). True when it was reclaimed meanwhile: the node

@@ -55,7 +55,7 @@ from healthagent.effects.budget_guard import BudgetGuard
 from healthagent.effects.budget_leases import LeaseStore, agent_namespace
 from healthagent.effects.conditions import identify, vocabulary
 from healthagent.effects.events import EVENTS_NAMESPACE, EventLedger, EventSpec, event_body
-from healthagent.effects.node_desired import NO_EXECUTE, owned_taints, owned_view
+from healthagent.effects.node_desired import NO_EXECUTE, carries_no_execute, owned_taints, owned_view
 from healthagent.effects.node_watch import BACKOFF_SECONDS, WATCH_TIMEOUT_SECONDS, NodeCache, NodeWatch
 from healthagent.effects.node_writer import NodeWriter
 from healthagent.effects.plan import Budget, NodePlan, PlanSettings, clear_request
@@ -331,11 +331,21 @@ class NodeEffects:
             return self.budget.ask(now)
         return Budget.UNASKED
 
-    def _step(self, node: dict, now: float) -> Step:
-        """Observe ``node``, ask the budget when the step needs it, then the pure step."""
+    def _step(self, node: dict, now: float, confirm: bool = True) -> Step:
+        """Observe ``node``, ask the budget when the step needs it, then the pure step. A step to be
+        written that newly takes the disruptive step confirms first that the slot is still its own."""
         self._observe(node, now)
         answer = self._budget_answer(node, now)
-        return step(self.record, self._verdict, node, answer, now, self._wall(now), self._context())
+        planned = step(self.record, self._verdict, node, answer, now, self._wall(now), self._context())
+        taint = planned.plan.taint
+        if confirm and answer is Budget.ALLOWS and taint.disruptive_ready and planned.plan.writes and \
+                not carries_no_execute(node, self.settings.taint_key):
+            confirmed = self.budget.confirm(now)
+            if confirmed is not Budget.ALLOWS:
+                if confirmed is Budget.ROLLBACK:
+                    self.record = replace(self.record, rollback=True)
+                planned = step(self.record, self._verdict, node, confirmed, now, self._wall(now), self._context())
+        return planned
 
     def _land(self, done: Step) -> None:
         """The step's plan is on the node: keep its state, queue its Events."""
@@ -351,7 +361,7 @@ class NodeEffects:
         if trusted:
             self._last_read = now  # the watch keeps the cache as fresh as a read
         if not self._dirty and node is not None and not self._resync_due(now):
-            planned = self._step(node, now)  # operators' acts arrived through the watch
+            planned = self._step(node, now, confirm=False)  # operators' acts arrived through the watch
             if planned.plan.writes == 0:
                 self._land(planned)
                 self._settle_budget(node, planned.plan, now)

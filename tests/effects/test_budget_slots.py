@@ -223,7 +223,9 @@ def test_a_holder_escalates_past_a_shrunk_limit_and_clearing_never_asks(tmp_path
     peer_holds(cluster, 6, "gpu-node-2")  # now three slots are held with a limit of two
     cluster.reset_log()
     assert agent.reconcile(XID95, T0 + 120, "boot-1").taint_effect == "NoExecute"  # it holds its slot
-    assert cluster.requests("GET", LEASES) == []  # and does not ask again
+    (own,) = held_by(cluster, NODE)
+    # it does not ask again: one GET of its own slot confirms it before the disruptive step
+    assert [r.path for r in cluster.requests("GET", LEASES)] == [f"{LEASES}/{own}"]
     other = started(tmp_path / "peer", cluster, node="gpu-node-1")
     cluster.update_node("gpu-node-1", lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "t"}))
     status = other.reconcile(cleared_by("t"), T0 + 61, "boot-1")
@@ -252,24 +254,50 @@ def test_two_agents_racing_for_the_last_slot_one_wins_the_other_holds_back(tmp_p
     assert [e for e in cluster.events() if e["reason"] == "Cleared"] == []
 
 
-def test_a_slot_reclaimed_before_the_write_landed_sends_the_node_back_to_held_noschedule(tmp_path, cluster):
-    """The slot is taken, and before this agent's write lands another node reclaims it (it judged
-    the slot stale). With no grace that write was NoExecute and HyperPod's replacement value; the
-    re-write of the slot after it fails, and both go back: NoSchedule, held, Schedulable."""
-    agent = started(tmp_path, cluster, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0,
-                    hyperpod_labels=True)
+def steal(cluster, lease) -> None:
+    """gpu-node-7 takes ``lease`` (a reclaim, or a forged write with its token) and taints itself."""
+    cluster.put_lease(NAMESPACE, held_lease(lease, "gpu-node-7", T0 + 1, acquired=True))
+    cluster.update_node("gpu-node-7", lambda n: n["spec"].update(taints=[
+        {"key": TAINT_KEY, "value": "replace_node", "effect": "NoSchedule"}]))
+
+
+def test_a_slot_taken_from_the_node_before_its_disruptive_step_means_no_disruptive_step(tmp_path, cluster):
+    """The confirming read right before NoExecute finds the slot in another node's name: this node
+    never gets NoExecute, and says so."""
+    agent = started(tmp_path, cluster, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0)
     store = agent.budget._store
     real_create = store.create
 
     def create_then_lose_it(body):
         written = real_create(body)
-        stolen = held_lease(written, "gpu-node-7", T0 + 1, acquired=True)
-        cluster.put_lease(NAMESPACE, stolen)
-        cluster.update_node("gpu-node-7", lambda n: n["spec"].update(taints=[
-            {"key": TAINT_KEY, "value": "replace_node", "effect": "NoSchedule"}]))
+        steal(cluster, written)
         return written
 
     store.create = create_then_lose_it
+    status = agent.reconcile(XID95, T0, "boot-1")
+    node_writes = [r.body for r in cluster.writes(f"/api/v1/nodes/{NODE}") if not r.path.endswith("/status")]
+    assert len(node_writes) == 1 and "NoExecute" not in str(node_writes)
+    assert effects(cluster) == {"gpu-node-7": "NoSchedule", NODE: "NoSchedule"} and status.budget_blocked
+    assert agent.errors.get("budget_slot_lost") == 1
+
+
+def test_a_slot_reclaimed_before_the_write_landed_sends_the_node_back_to_held_noschedule(tmp_path, cluster):
+    """The slot is taken and confirmed, and before this agent's write lands another node reclaims
+    it (it judged the slot stale). With no grace that write was NoExecute and HyperPod's
+    replacement value; the re-write of the slot after it fails, and both go back: NoSchedule,
+    held, Schedulable."""
+    agent = started(tmp_path, cluster, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0,
+                    hyperpod_labels=True)
+    store = agent.budget._store
+    real_read = store.read
+
+    def confirm_then_lose_it(name):
+        confirmed = real_read(name)
+        steal(cluster, confirmed)
+        store.read = real_read
+        return confirmed
+
+    store.read = confirm_then_lose_it
     status = agent.reconcile(XID95, T0, "boot-1")
     assert held_by(cluster, "gpu-node-7") == [slot_name(0)] and held_by(cluster, NODE) == []
     node_writes = [r.body for r in cluster.writes(f"/api/v1/nodes/{NODE}") if not r.path.endswith("/status")]
