@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="what an XID means and what the agent does about it")
     explain.add_argument("xid", type=_whole_number, help="the XID number, e.g. 94")
     explain.add_argument("--policy-file", help="YAML policy overrides")
+    explain.add_argument("--config", help="YAML settings file (also HEALTHAGENT_CONFIG)")
+    explain.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
+                         help="a setting, e.g. --set condition_vocabulary=eks or --set hyperpod_labels=true "
+                              "(what a replacement engine does depends on them); repeatable")
 
     demo = sub.add_parser("demo", help="run the agent on the bundled demo node through a scripted fault")
     demo.add_argument("--listen", default="127.0.0.1:0",
@@ -204,10 +208,15 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    """The XID, the agent's action and what the repair engines do with it, under the settings the
+    agent has (HEALTHAGENT_* in its pod, the settings file, --set): the condition vocabulary and
+    HyperPod's labels decide which engine acts."""
     from healthagent.policy.classify import explain
 
-    policy, catalog = _catalog(args.policy_file)
-    print(explain(args.xid, catalog, policy))
+    settings = _settings(args)
+    policy, catalog = _catalog(settings.policy_file)
+    print(explain(args.xid, catalog, policy, vocabulary=settings.condition_vocabulary,
+                  hyperpod_labels=settings.hyperpod_labels))
     return 0
 
 

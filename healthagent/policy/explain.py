@@ -1,6 +1,7 @@
 """``healthagent explain XID``: everything the on-call needs about one XID, without searching NVIDIA's
 docs during an incident: the catalog row, NVIDIA's resolution bucket, our action and the rule or
-override that decided it, how long the finding lasts, and what to do.
+override that decided it, how long the finding lasts, what a replacement engine does with the
+verdict under the configured condition vocabulary, and what to do.
 """
 
 from __future__ import annotations
@@ -46,7 +47,67 @@ def what_to_do(xid: int, entry: CatalogEntry) -> str:
                                              device="the device")
 
 
-def explain(xid: int, catalog: Catalog, policy: Policy) -> str:
+# -- what a replacement engine does with the verdict --------------------------------------------
+# As released and checked: Karpenter v1.14.1 (kubernetes-sigs/karpenter pkg/controllers/node/health
+# with aws/karpenter-provider-aws RepairPolicies: a condition's type and status, a toleration from
+# its lastTransitionTime, never its reason); the EKS User Guide's "Automatically repair nodes in
+# EKS clusters" for managed node groups; aws/eks-node-monitoring-agent v1.7.0 for the XIDs that
+# make its AcceleratedHardwareReady False (monitors/nvidia/dcgm/dcgm_policies.go); SageMaker
+# HyperPod's "Resilience-related Kubernetes labels".
+KARPENTER_VERSION = "v1.14.1"
+NMA_VERSION = "v1.7.0"
+NMA_FATAL_XIDS = frozenset({46, 48, 54, 62, 63, 64, 74, 79, 95, 109, 110, 119, 120, 136, 140, 142, 143, 151,
+                            155, 156, 158})
+HYPERPOD_VALUES = {Action.REPLACE_NODE: ("UnschedulablePendingReplacement", "replaces"),
+                   Action.REBOOT_NODE: ("UnschedulablePendingReboot", "reboots")}
+
+
+def engine_lines(xid: int, action: Action, vocabulary: str = "healthagent",
+                 hyperpod_labels: bool = False) -> list[str]:
+    """What the repair engines do with a GPU_XID verdict of ``action``, for the condition
+    vocabulary (``healthagent`` or ``eks``) and HyperPod's labels as configured."""
+    node_action = action in (Action.REBOOT_NODE, Action.REPLACE_NODE)
+    head = f"Engines (condition_vocabulary={vocabulary}): "
+    if action is Action.NONE:
+        return [head + "no finding, so no condition or label changes; no engine acts."]
+    if vocabulary != "eks":
+        text = head + "GpuHealthy turns False (reason GPU_XID); no engine acts on GpuHealthy or EfaHealthy by itself."
+        if node_action and not hyperpod_labels:
+            text += (" The agent's taint takes the node out of its job; to have it replaced, set "
+                     "condition_vocabulary=eks (Karpenter, managed node groups) or hyperpod_labels=true "
+                     "(SageMaker HyperPod).")
+        lines = [text]
+    elif not node_action:
+        lines = [head + f"AcceleratedHardwareReady stays True (FindingsWithoutNodeAction): no engine acts "
+                        f"on a {action.value} verdict."]
+    else:
+        reason = f"NvidiaXID{xid}Error"
+        nma = (f"XID {xid} is one of its fatal XIDs, so it sets the condition False itself ({reason})"
+               if xid in NMA_FATAL_XIDS else
+               f"XID {xid} is not one of its fatal XIDs (an Event only), so there only the agent's taint"
+               + (" and HyperPod act" if hyperpod_labels else " acts") + " on it")
+        lines = [head + f"AcceleratedHardwareReady turns False with reason {reason} once the NoExecute grace "
+                        "is over and the node holds a budget slot.",
+                 f"- Karpenter node repair (feature gate NodeRepair, {KARPENTER_VERSION}) replaces the node once "
+                 "AcceleratedHardwareReady has been False for 10 minutes; it reads only the condition's type "
+                 f"and status, so this {action.value} verdict is a replacement under Karpenter.",
+                 "- EKS managed node groups' node auto repair acts after 10 minutes: reboot or replace, by its "
+                 f"own rules for {reason} (its default for the XID, or your nodeRepairConfigOverrides).",
+                 f"- EKS node monitoring agent {NMA_VERSION}, where installed, writes AcceleratedHardwareReady "
+                 f"itself and the agent leaves the condition alone while it does; {nma}."]
+    if hyperpod_labels:
+        if node_action:
+            value, verb = HYPERPOD_VALUES[action]
+            lines.append(f"- SageMaker HyperPod (hyperpod_labels): node-health-status becomes {value} once the "
+                         f"grace is over and the node holds a budget slot; with automatic node recovery on, "
+                         f"HyperPod {verb} the node at once. A request another writer already set is kept.")
+        else:
+            lines.append("- SageMaker HyperPod (hyperpod_labels): node-health-status is left as it is.")
+    return lines
+
+
+def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healthagent",
+            hyperpod_labels: bool = False) -> str:
     entry = catalog.lookup(xid)
     lines = [f"XID {xid}: {entry.name}" + (f" - {entry.description}" if entry.description else "")]
     if entry.known:
@@ -64,6 +125,11 @@ def explain(xid: int, catalog: Catalog, policy: Policy) -> str:
                      "takes the most severe of its XIDs.")
     lines.append(f"Finding: GPU_XID, one per incident (XIDs on one GPU until "
                  f"{policy.incident_quiet_seconds:g} s of silence); {persistence(entry.action, policy)}")
+    if xid == RECOVERY_XID and not entry.overridden:
+        lines.append("When the message says 'Node Reboot Required' (reboot_node):")
+        lines += engine_lines(xid, Action.REBOOT_NODE, vocabulary, hyperpod_labels)
+    else:
+        lines += engine_lines(xid, entry.action, vocabulary, hyperpod_labels)
     if policy.source:
         lines.append(f"Policy file: {policy.source}")
     lines.append("What to do: " + what_to_do(xid, entry))
