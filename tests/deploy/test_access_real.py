@@ -30,6 +30,7 @@ from healthagent.effects.backend import ApiBackend
 from healthagent.effects.budget import (
     BUDGET_LABEL,
     COUNT_LEASE,
+    GPU_NODES_ANNOTATION,
     claimed_count,
     held_lease,
     new_lease,
@@ -401,6 +402,14 @@ def count_own_node(world: World) -> int:
     return counted
 
 
+def forged_count(world: World, nodes: str) -> dict:
+    """A count Lease of this test's own (its slot number in the name) in node A's name, counting ``nodes``."""
+    lease = held_lease(new_lease(f"healthagent-budget-count-{world.slot}", NAMESPACE, "count"), world.a, T0,
+                       acquired=True)
+    lease["metadata"]["annotations"] = {GPU_NODES_ANNOTATION: nodes}
+    return lease
+
+
 def foreign_lease(name: str, namespace: str, node: str) -> dict:
     lease = held_lease(new_lease(name, namespace, "slot"), node, T0, acquired=True)
     lease["metadata"]["labels"] = {}
@@ -741,6 +750,14 @@ DENIED_BY_POLICY = {
         lambda w: w.agent.leases.create_namespaced_lease(NAMESPACE, foreign_lease("healthagent-leader", NAMESPACE, w.a)),
         ByPolicy(LEASE_POLICY, "healthagent may write only the budget Leases healthagent-budget-*, not Lease "
                                "healthagent-leader")),
+    "a GPU node count no fleet has": Case(
+        lambda w: w.agent.leases.create_namespaced_lease(NAMESPACE, forged_count(w, "9" * 401)),
+        ByPolicy(LEASE_POLICY, "healthagent may record a GPU node count only as a whole number from 0 to 100000 "
+                               "(healthagent.io/gpu-nodes)")),
+    "a GPU node count that is not ASCII digits": Case(
+        lambda w: w.agent.leases.create_namespaced_lease(NAMESPACE, forged_count(w, "\u00b2")),
+        ByPolicy(LEASE_POLICY, "healthagent may record a GPU node count only as a whole number from 0 to 100000 "
+                               "(healthagent.io/gpu-nodes)")),
     "no node in the token: take a free slot": Case(
         lambda w: take_slot(w, w.a, apis=w.unbound), ByPolicy(LEASE_POLICY, LEASE_NO_NODE), prepare=slot_as_admin()),
 }
