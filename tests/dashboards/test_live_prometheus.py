@@ -113,7 +113,7 @@ class Prometheus:
         return http_json(f"{self.url}/api/v1/label/{label}/values?{query}")["data"]
 
 
-TRAINING_KEY = "live-prometheus-training-key"
+TRAINING_KEY = "live-prometheus-training-key-0123456789"
 
 
 class TrainingRanks:

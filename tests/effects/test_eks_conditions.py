@@ -49,7 +49,7 @@ def test_every_finding_code_has_an_eks_reason_and_a_stated_source():
     assert set(EKS_REASONS) == set(FINDING_CODES)
     assert {source for _, source in EKS_REASONS.values()} == {NMA, COINED}
     coined = [reason for reason, source in EKS_REASONS.values() if source == COINED]
-    assert not [r for r in coined if "XID" in r.upper()]  # Karpenter matches XIDs by a pattern
+    assert not [r for r in coined if "XID" in r.upper()]  # an XID in a reason names that XID alone
 
 
 def test_the_docs_name_every_reason_and_where_it_comes_from():
