@@ -21,6 +21,7 @@ import pytest
 import requests
 import yaml
 
+from tests.support.crds import crd_served
 from tests.support.envtest import ControlPlane, find_crds
 from tests.support.wait import wait_for
 
@@ -88,23 +89,6 @@ def karpenter_crds() -> list[dict[str, Any]]:
     return found
 
 
-def crd_established(session: requests.Session, url: str, name: str) -> bool:
-    reply = session.get(f"{url}/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}", timeout=10)
-    if reply.status_code != 200:
-        return False
-    conditions = {c["type"]: c["status"] for c in (reply.json().get("status") or {}).get("conditions") or []}
-    return conditions.get("Established") == "True"
-
-
-def served(session: requests.Session, url: str, crd: dict[str, Any]) -> bool:
-    group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
-    for version in (v["name"] for v in crd["spec"]["versions"] if v.get("served")):
-        listing = session.get(f"{url}/apis/{group}/{version}", timeout=10)
-        if listing.status_code != 200 or plural not in {r["name"] for r in listing.json()["resources"]}:
-            return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def karpenter_server(control_plane: ControlPlane):
     """An admin session on the real server, with Karpenter's CRDs installed (for real: a CRD
@@ -116,7 +100,7 @@ def karpenter_server(control_plane: ControlPlane):
         assert created.status_code in (201, 409), f"installing {crd['metadata']['name']}: {created.text}"
     for crd in crds:
         name = crd["metadata"]["name"]
-        wait_for(lambda name=name, crd=crd: crd_established(session, url, name) and served(session, url, crd),
+        wait_for(lambda name=name: crd_served(url, session, name),
                  CRD_TIMEOUT_SECONDS, f"CRD {name} Established and served", retry_on=(requests.RequestException,),
                  interval=0.1)
     plurals = {(crd["spec"]["group"], crd["spec"]["names"]["kind"]): crd["spec"]["names"]["plural"] for crd in crds}

@@ -29,6 +29,7 @@ import requests
 import yaml
 
 from tests.support.deploy import COMPONENTS, DEPLOY, OVERLAYS, overlay_with_components, render
+from tests.support.crds import crd_served
 from tests.support.envtest import ControlPlane, find_crds
 from tests.support.wait import wait_for
 
@@ -111,25 +112,6 @@ def crd_names(folder: Path) -> list[str]:
     return names
 
 
-def crd_served(plane: ControlPlane, session: requests.Session, name: str) -> bool:
-    """Established, and listed by discovery: only then does kubectl map the kind to a resource
-    (an early apply would fail with ``no matches for kind``, a test-setup race, not a finding)."""
-    reply = session.get(f"{plane.url}/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}",
-                        timeout=10)
-    if reply.status_code != 200:
-        return False
-    crd = reply.json()
-    conditions = {c["type"]: c["status"] for c in (crd.get("status") or {}).get("conditions") or []}
-    if conditions.get("Established") != "True":
-        return False
-    group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
-    for version in (v["name"] for v in crd["spec"]["versions"] if v.get("served")):
-        listing = session.get(f"{plane.url}/apis/{group}/{version}", timeout=10)
-        if listing.status_code != 200 or plural not in {r["name"] for r in listing.json()["resources"]}:
-            return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def kubectl_on_server(control_plane: ControlPlane, kubectl: str, tmp_path_factory) -> Kubectl:
     """kubectl for the real server, with prometheus-operator's CRDs installed and served."""
@@ -146,7 +128,7 @@ def kubectl_on_server(control_plane: ControlPlane, kubectl: str, tmp_path_factor
     assert installed.returncode == 0, f"installing the CRDs from {crds} failed: {installed.stderr}"
     session = control_plane.admin_session()
     for name in names:
-        wait_for(lambda name=name: crd_served(control_plane, session, name), CRD_ESTABLISHED_TIMEOUT_SECONDS,
+        wait_for(lambda name=name: crd_served(control_plane.url, session, name), CRD_ESTABLISHED_TIMEOUT_SECONDS,
                  f"CRD {name} Established and in discovery", retry_on=(requests.RequestException,),
                  interval=0.1)
     return client
