@@ -103,6 +103,10 @@ class Settings:
     budget_max_fraction: float = _setting(0.10, "largest share of GPU nodes that may carry the taint",
                                           "use a fraction between 0 and 1, e.g. 0.1")
     budget_max_nodes: int | None = _setting(None, "largest number of GPU nodes that may carry the taint")
+    budget_scope_label: str = _setting(
+        "", "count the budget per value of this node label (e.g. karpenter.sh/nodepool, "
+            "eks.amazonaws.com/nodegroup): each pool gets its own share; unset = one budget for the fleet",
+        "use a label key, e.g. karpenter.sh/nodepool")
     budget_node_selector: str = _setting("nvidia.com/gpu.present=true",
                                          "label selector that counts the cluster's GPU nodes",
                                          "use the API's selector syntax, e.g. nvidia.com/gpu.present=true "
@@ -228,6 +232,8 @@ def _validate(s: Settings) -> None:
     problem = qualified_name_problem(s.taint_key)
     if problem:
         raise bad("taint_key", f"{s.taint_key!r} is not a valid Kubernetes key: {problem}")
+    if s.budget_scope_label and label_selector_problem(f"!{s.budget_scope_label}"):
+        raise bad("budget_scope_label", f"{s.budget_scope_label!r} is not a label key")
     problem = label_selector_problem(s.budget_node_selector)
     if problem:
         raise bad("budget_node_selector", f"{s.budget_node_selector!r} is not a label selector: {problem}")

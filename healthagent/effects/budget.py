@@ -45,6 +45,7 @@ the smallest one (1, or ``budget_max_nodes`` when that is 0).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -59,6 +60,8 @@ COUNT_LEASE = "healthagent-budget-count"
 BUDGET_LABEL = "healthagent.io/budget"  # "slot" or "count": the Leases a decision lists
 GPU_NODES_ANNOTATION = "healthagent.io/gpu-nodes"
 SELECTOR_ANNOTATION = "healthagent.io/node-selector"
+SCOPE_LABEL = "healthagent.io/budget-scope"  # a scoped budget's id, on its Leases
+SCOPE_ANNOTATION = "healthagent.io/budget-scope-value"  # the label=value it counts, for people
 LEASE_LABELS = {"app.kubernetes.io/name": "healthagent", "app.kubernetes.io/part-of": "healthagent"}
 
 SLOT_GRACE_SECONDS = 60.0  # a slot this young without its holder's taint is a decision in flight
@@ -101,14 +104,56 @@ def recheck_delay(base: float, rng: random.Random) -> float:
     return rng.uniform(base * (1 - RECHECK_JITTER), base * (1 + RECHECK_JITTER))
 
 
-def slot_name(index: int) -> str:
-    return f"{SLOT_PREFIX}{index}"
+@dataclass(frozen=True)
+class Scope:
+    """Which budget a node counts in: the fleet's (no ``label``: the setting
+    ``budget_scope_label`` unset), or that of the GPU nodes sharing its ``value`` of ``label``
+    (a Karpenter NodePool, a managed node group: each engine refuses to repair more than 20% of
+    one pool, so the budget's share holds per pool). ``value`` "" is the nodes without the label.
+    A scoped budget has Leases of its own, named by a hash of label and value (a label value is
+    not always a valid name), labelled with it and annotated with the value for people."""
+
+    label: str = ""
+    value: str = ""
+
+    @property
+    def id(self) -> str:
+        if not self.label:
+            return ""
+        return "p" + hashlib.sha256(f"{self.label}={self.value}".encode()).hexdigest()[:12]
+
+    @property
+    def prefix(self) -> str:
+        return f"healthagent-budget-{self.id}-" if self.id else "healthagent-budget-"
+
+    @property
+    def count_name(self) -> str:
+        return f"{self.prefix}count"
+
+    @property
+    def lease_selector(self) -> str:
+        return f"{BUDGET_LABEL},{SCOPE_LABEL}={self.id}" if self.id else BUDGET_LABEL
+
+    def node_selector(self, base: str) -> str:
+        """The GPU nodes this budget counts: ``base`` (``budget_node_selector``) and the scope."""
+        if not self.label:
+            return base
+        part = f"{self.label}={self.value}" if self.value else f"!{self.label}"
+        return f"{base},{part}" if base else part
 
 
-def slot_index(name: str) -> int | None:
+FLEET = Scope()
+
+
+def slot_name(index: int, scope: Scope = FLEET) -> str:
+    return f"{scope.prefix}slot-{index}"
+
+
+def slot_index(name: str, scope: Scope = FLEET) -> int | None:
     """The index in a slot Lease's name; None for any other name (ASCII digits only, no leading
     zero, at most ``MAX_SLOT_DIGITS``: ``str.isdigit`` also accepts "²", which ``int`` refuses)."""
-    digits = name[len(SLOT_PREFIX):] if name.startswith(SLOT_PREFIX) else ""
+    prefix = f"{scope.prefix}slot-"
+    digits = name[len(prefix):] if name.startswith(prefix) else ""
     return int(digits) if _SLOT_DIGITS.fullmatch(digits) else None
 
 
@@ -135,7 +180,7 @@ class Slot:
 
     @property
     def name(self) -> str:
-        return slot_name(self.index)
+        return str((self.lease.get("metadata") or {}).get("name") or slot_name(self.index))
 
 
 @dataclass(frozen=True)
@@ -191,7 +236,8 @@ class BudgetView:
         return f"slots_held={len(self.held)} limit={self.limit} gpu_nodes={nodes}"
 
 
-def read_view(items: Iterable[Mapping], selector: str, fraction: float, max_nodes: int | None) -> BudgetView:
+def read_view(items: Iterable[Mapping], selector: str, fraction: float, max_nodes: int | None,
+              scope: Scope = FLEET) -> BudgetView:
     """The view from a list of the budget's Leases. A count taken with another node selector (a
     configuration change half rolled out) is no count for this agent."""
     slots, count = [], None
@@ -201,11 +247,11 @@ def read_view(items: Iterable[Mapping], selector: str, fraction: float, max_node
         name = str(meta.get("name") or "")
         version = str(meta.get("resourceVersion") or "")
         renewed, acquired = parse_rfc3339(spec.get("renewTime")), parse_rfc3339(spec.get("acquireTime"))
-        index = slot_index(name)
+        index = slot_index(name, scope)
         if index is not None:
             slots.append(Slot(index, str(spec.get("holderIdentity") or ""),
                               renewed if renewed is not None else acquired, version, lease))
-        elif name == COUNT_LEASE:
+        elif name == scope.count_name:
             count = _read_count(lease, selector, renewed, acquired, version)
     slots.sort(key=lambda s: s.index)
     # no count yet: the limit of an empty cluster, the smallest there is
@@ -225,10 +271,12 @@ def _read_count(lease: Mapping, selector: str, renewed: float | None, acquired: 
 # -- the Lease bodies the agent writes -------------------------------------------------------------
 
 
-def new_lease(name: str, namespace: str, kind: str) -> dict:
-    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": name, "namespace": namespace, "labels": {**LEASE_LABELS, BUDGET_LABEL: kind}},
-            "spec": {}}
+def new_lease(name: str, namespace: str, kind: str, scope: Scope = FLEET) -> dict:
+    meta: dict = {"name": name, "namespace": namespace, "labels": {**LEASE_LABELS, BUDGET_LABEL: kind}}
+    if scope.id:
+        meta["labels"][SCOPE_LABEL] = scope.id
+        meta["annotations"] = {SCOPE_ANNOTATION: f"{scope.label}={scope.value}"}
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": {}}
 
 
 def held_lease(lease: Mapping, holder: str, now: float, *, acquired: bool) -> dict:

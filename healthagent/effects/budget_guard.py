@@ -30,9 +30,9 @@ from typing import Any, Callable
 from healthagent.common import ErrorTally
 from healthagent.effects.backend import AlreadyExists, ApiError, ApiRejected, ApiUnavailable, Conflict
 from healthagent.effects.budget import (
-    COUNT_LEASE,
     SLOT_GRACE_SECONDS,
     BudgetView,
+    Scope,
     Slot,
     claimed_count,
     counted,
@@ -59,9 +59,11 @@ class BudgetGuard:
 
     def __init__(self, leases: LeaseStore | None, *, node_name: str, taint_key: str, selector: str,
                  max_fraction: float, max_nodes: int | None, recheck_seconds: float, tally: ErrorTally,
-                 rng: random.Random) -> None:
-        """``leases`` None: dry-run (no cluster view)."""
+                 rng: random.Random, scope_label: str = "") -> None:
+        """``leases`` None: dry-run (no cluster view). ``scope_label``: count the budget per value
+        of this node label (``Scope``; its value is read from the node at ``startup``)."""
         self._store = leases
+        self.scope = Scope(scope_label)
         self._node = node_name
         self._taint_key = taint_key
         self._selector = selector
@@ -85,6 +87,11 @@ class BudgetGuard:
         self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
         self.note = ""  # the last look in words, for the log and the Event
 
+    @property
+    def _counted(self) -> str:
+        """The node selector of the GPU nodes this budget counts."""
+        return self.scope.node_selector(self._selector)
+
     def begin(self) -> None:
         """A new reconcile: the next question looks again (unless a held node must wait)."""
         self._memo = None
@@ -102,6 +109,9 @@ class BudgetGuard:
         looks again."""
         if self._store is None:
             return
+        if self.scope.label:
+            labels = (node.get("metadata") or {}).get("labels") or {}
+            self.scope = Scope(self.scope.label, str(labels.get(self.scope.label) or ""))
         try:
             view = self._look(now)
             held = view.held_by(self._node)
@@ -154,7 +164,7 @@ class BudgetGuard:
         if self._store is None or self.slot is None:
             return Budget.ALLOWS
         try:
-            current = _slot(self._store.read(self.slot.name))
+            current = _slot(self._store.read(self.slot.name), self.scope)
         except ApiRejected as exc:
             if exc.status != 404:
                 self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
@@ -235,7 +245,8 @@ class BudgetGuard:
 
     def _look(self, now: float, consistent: bool = False) -> BudgetView:
         store = self._require_store()
-        view = read_view(store.list(consistent), self._selector, self._fraction, self._max_nodes)
+        view = read_view(store.list(consistent, self.scope.lease_selector), self._counted, self._fraction,
+                         self._max_nodes, self.scope)
         self._count_due = self._count_due or view.count is None or view.count.due(self._wall(now))
         self._note_ages(view, now)
         return view
@@ -269,7 +280,8 @@ class BudgetGuard:
             if view.allows:
                 index = self._rng.choice(view.free_indexes())
                 existing = view.slot(index)
-                base = existing.lease if existing is not None else new_lease(slot_name(index), store.namespace, "slot")
+                base = existing.lease if existing is not None else new_lease(slot_name(index, self.scope),
+                                                                             store.namespace, "slot", self.scope)
                 body = held_lease(base, self._node, self._wall(now), acquired=True)
             else:
                 stale = None if judged else self._stale(view, now)
@@ -286,7 +298,7 @@ class BudgetGuard:
                 view = self._look(now, consistent=True)  # another node won that slot: look again
                 continue
             self.note = view.describe()
-            return _slot(written)
+            return _slot(written, self.scope)
         self.note = view.describe()
         return None
 
@@ -353,9 +365,9 @@ class BudgetGuard:
         store = self._require_store()
         for _ in range(2):
             try:
-                return _slot(store.replace(change(slot.lease))), False
+                return _slot(store.replace(change(slot.lease)), self.scope), False
             except Conflict:
-                slot = _slot(store.read(slot.name))
+                slot = _slot(store.read(slot.name), self.scope)
                 if slot.holder != self._node:
                     return None, True
             except ApiRejected as exc:
@@ -379,20 +391,22 @@ class BudgetGuard:
         """Re-count the fleet's GPU nodes into the shared count Lease: claim the re-count with a
         guarded write first (whoever loses leaves it to the winner), then count and record."""
         store = self._require_store()
-        view = read_view(store.list(consistent=True), self._selector, self._fraction, self._max_nodes)
+        view = read_view(store.list(True, self.scope.lease_selector), self._counted, self._fraction,
+                         self._max_nodes, self.scope)
         count = view.count
         wall = self._wall(now)
         if count is not None and not count.due(wall):
             return
-        base = count.lease if count is not None else new_lease(COUNT_LEASE, store.namespace, "count")
+        base = count.lease if count is not None else new_lease(self.scope.count_name, store.namespace, "count",
+                                                                 self.scope)
         try:
             claim = claimed_count(base, self._node, wall)
             claimed = store.replace(claim) if count is not None else store.create(claim)
         except (Conflict, AlreadyExists):
             return  # another agent re-counts
-        nodes = store.count_nodes(self._selector)
-        store.replace(counted(claimed, nodes, self._selector, wall))
-        log.info("effects node=%s budget=counted gpu_nodes=%d selector=%s", self._node, nodes, self._selector)
+        nodes = store.count_nodes(self._counted)
+        store.replace(counted(claimed, nodes, self._counted, wall))
+        log.info("effects node=%s budget=counted gpu_nodes=%d selector=%s", self._node, nodes, self._counted)
 
     # -- small parts -----------------------------------------------------------------------------
 
@@ -412,9 +426,9 @@ class BudgetGuard:
         return recheck_delay(recheck_interval(self._recheck_seconds, max(1, self._holds)), self._rng)
 
 
-def _slot(lease: Any) -> Slot:
+def _slot(lease: Any, scope: Scope) -> Slot:
     """The slot a Lease reply describes."""
-    view = read_view([lease] if isinstance(lease, dict) else [], "", 0.0, None)
+    view = read_view([lease] if isinstance(lease, dict) else [], "", 0.0, None, scope)
     if not view.slots:
         raise ApiUnavailable("the Lease reply is not a budget slot")
     return view.slots[0]

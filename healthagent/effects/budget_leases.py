@@ -55,11 +55,12 @@ class LeaseStore:
         self.core = backend.core
         self.leases = client.CoordinationV1Api(backend.core.api_client)
 
-    def list(self, consistent: bool = False) -> list[dict]:
-        """The budget's Leases: from the watch cache, or (``consistent``) as the API server has them."""
+    def list(self, consistent: bool = False, selector: str = BUDGET_LABEL) -> list[dict]:
+        """The budget's Leases (``selector``: a scoped budget's): from the watch cache, or
+        (``consistent``) as the API server has them."""
         versions = {} if consistent else {"resource_version": "0"}
         reply = self._backend._call(self.leases.list_namespaced_lease, self.namespace,
-                                    label_selector=BUDGET_LABEL, **versions)
+                                    label_selector=selector, **versions)
         items = reply.get("items") if isinstance(reply, dict) else None
         if not isinstance(items, list):
             raise ApiUnavailable("lease list reply has no items")

@@ -88,8 +88,8 @@ def before_write(effects, action):
     real_list = store.list
     done = []
 
-    def look(consistent=False):
-        items = real_list(consistent)
+    def look(*args, **kwargs):
+        items = real_list(*args, **kwargs)
         if not done:
             done.append(True)
             action()
@@ -544,3 +544,41 @@ def test_a_slot_lease_with_a_name_no_agent_writes_is_ignored(tmp_path, cluster):
     agent = started(tmp_path, cluster, replace_noexecute_grace_seconds=0.0)
     agent.reconcile(XID95, T0, "boot-1")
     assert effects(cluster) == {NODE: "NoExecute"} and agent.errors == {}
+
+
+# -- a budget per pool ----------------------------------------------------------------------------------
+
+POOL = "karpenter.sh/nodepool"
+
+
+def test_a_scope_label_gives_each_pool_its_own_share(tmp_path, fake):
+    """Karpenter and managed node groups refuse to repair more than 20% of one pool, so the budget
+    can be counted per pool: 10% of pool a (10 nodes) is 1, of pool b (20 nodes) 2, and a node
+    without the label counts with the others that have none."""
+    gpu = {"nvidia.com/gpu.present": "true"}
+    fake.seed_nodes(10, prefix="a-", labels={**gpu, POOL: "a"})
+    fake.seed_nodes(20, prefix="b-", labels={**gpu, POOL: "b"})
+    fake.seed_nodes(10, prefix="none-", labels=gpu)
+
+    def agent(node):
+        made = started(tmp_path / node, fake, node=node, replace_noexecute_grace_seconds=0.0,
+                       budget_scope_label=POOL)
+        made.reconcile(XID95, T0, "boot-1")
+        return made
+
+    for node in ("a-0", "a-1", "b-0", "b-1", "b-2", "none-0", "none-1"):
+        agent(node)
+    assert {n: e for n, e in effects(fake).items() if e == "NoExecute"}.keys() == {"a-0", "b-0", "b-1", "none-0"}
+    assert effects(fake)["a-1"] == effects(fake)["b-2"] == effects(fake)["none-1"] == "NoSchedule"
+    counts = {lease["metadata"]["annotations"].get("healthagent.io/budget-scope-value"):
+              lease["metadata"]["annotations"][GPU_NODES_ANNOTATION]
+              for lease in fake.leases(NAMESPACE) if lease["metadata"]["name"].endswith("-count")}
+    assert counts == {f"{POOL}=a": "10", f"{POOL}=b": "20", f"{POOL}=": "10"}
+    assert all(lease["metadata"]["name"].startswith("healthagent-budget-p") for lease in fake.leases(NAMESPACE))
+
+
+def test_a_scope_label_that_is_no_label_key_stops_start_up(tmp_path):
+    from healthagent.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match=r"^budget_scope_label: 'karpenter sh' is not a label key; use a label"):
+        load_settings(env={}, flags={"budget_scope_label": "karpenter sh", "state_file": str(tmp_path / "s")})
