@@ -170,7 +170,7 @@ def test_the_condition_is_taken_back_once_the_monitoring_agent_stops_writing(tmp
     effects, _ = effects_for(tmp_path, cluster, condition_vocabulary="eks", replace_noexecute_grace_seconds=0.0)
     fault = Verdict.of([xid_finding(94, Action.REPLACE_NODE, "0000:53:00.0", XID94_LINE)], T0)
     now = T0
-    while now < T0 + 60:  # it writes every 5 s: the agent leaves AcceleratedHardwareReady to it
+    while now < T0 + 30:  # it writes every 5 s: the agent leaves AcceleratedHardwareReady to it
         effects.reconcile(fault, now, "boot-1")
         gpu = next(c for c in cluster.node(name)["status"]["conditions"] if c["type"] == "AcceleratedHardwareReady")
         assert gpu["reason"] == "NvidiaGPUIsReady", now - T0

@@ -395,7 +395,9 @@ def test_a_failing_fsync_is_counted_logged_once_and_the_agent_keeps_acting(
     state_errors_at_least(runtime, "unwritable", 3)
     # never renamed over the old file: a file whose fsync failed may not be on the disk
     assert xid_findings(saved_state(state)) == 0
-    assert [p.name for p in state.parent.iterdir()] == ["state.json"]
+    # each failed save removes its temporary file (a save may be in flight at any one look)
+    wait_until(lambda: [p.name for p in state.parent.iterdir()] == ["state.json"],
+               what="no temporary file left beside the state file")
     logged = [r for r in caplog.records if "error=unwritable" in r.getMessage()]
     assert len(logged) == 1 and "Input/output error" in logged[0].getMessage()  # once a minute, not per save
     flaky.failing = False
