@@ -311,6 +311,9 @@ def claimed_count(lease: Mapping, holder: str, now: float) -> dict:
         spec.pop("renewTime", None)  # a time no one can believe (or the server would refuse) goes
     else:
         spec["renewTime"] = micro_time(renewed)
+    annotations = body["metadata"].get("annotations")
+    if isinstance(annotations, dict) and parse_gpu_nodes(annotations.get(GPU_NODES_ANNOTATION)) is None:
+        annotations.pop(GPU_NODES_ANNOTATION, None)  # no count: the admission policy refuses to keep it
     return body
 
 
