@@ -55,8 +55,6 @@ from typing import Any, Iterable, Mapping
 from healthagent.effects.events import micro_time
 from healthagent.effects.api_time import parse_rfc3339
 
-SLOT_PREFIX = "healthagent-budget-slot-"
-COUNT_LEASE = "healthagent-budget-count"
 BUDGET_LABEL = "healthagent.io/budget"  # "slot" or "count": the Leases a decision lists
 GPU_NODES_ANNOTATION = "healthagent.io/gpu-nodes"
 SELECTOR_ANNOTATION = "healthagent.io/node-selector"
@@ -143,6 +141,7 @@ class Scope:
 
 
 FLEET = Scope()
+COUNT_LEASE = FLEET.count_name  # healthagent-budget-count: the fleet's shared count
 
 
 def slot_name(index: int, scope: Scope = FLEET) -> str:
