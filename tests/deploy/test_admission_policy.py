@@ -43,7 +43,7 @@ from healthagent.effects.budget import (
     slot_name,
 )
 from healthagent.effects.events import REPORTING_CONTROLLER, EventSpec, event_body
-from tests.support.deploy import DEPLOY, REPO, find, render
+from tests.support.deploy import DEPLOY, REPO, find, oldest_kubectl_binary, render
 
 pytestmark = pytest.mark.integration
 
@@ -608,7 +608,8 @@ def test_event_policy_leaves_other_resources_alone(event_evaluator):
 
 def test_the_documented_older_cluster_overlay_leaves_out_every_policy(kubectl, tmp_path):
     """docs/install.md's "Older clusters" patches, applied to the generic overlay, remove every
-    ValidatingAdmissionPolicy and Binding (a policy added later must be added there too)."""
+    ValidatingAdmissionPolicy and Binding (a policy added later must be added there too), with the
+    test extra's kubectl and with kubectl 1.30 where it is installed (tests/support/oldest_kubectl.py)."""
     text = (REPO / "docs" / "install.md").read_text(encoding="utf-8")
     section = text.split("### Older clusters", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
@@ -616,9 +617,10 @@ def test_the_documented_older_cluster_overlay_leaves_out_every_policy(kubectl, t
                      "resources": [os.path.relpath(DEPLOY / "overlays" / "generic", tmp_path.resolve())],
                      **yaml.safe_load(block)}
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization), encoding="utf-8")
-    objects = render(tmp_path, kubectl)
-    assert [o for o in objects if o["kind"].startswith("ValidatingAdmissionPolicy")] == []
-    assert find(objects, "ClusterRole", "healthagent")
+    for binary in filter(None, (kubectl, oldest_kubectl_binary())):
+        objects = render(tmp_path, binary)
+        assert [o for o in objects if o["kind"].startswith("ValidatingAdmissionPolicy")] == [], binary
+        assert find(objects, "ClusterRole", "healthagent")
 
 
 # -- the budget's Leases ---------------------------------------------------------------------------

