@@ -7,8 +7,9 @@ whose ``apiVersion`` is ``karpenter.sh/*`` or ``karpenter.k8s.aws/*`` is created
 ``dryRun=All`` and ``fieldValidation=Strict`` (an unknown field is an error, not a silent drop)
 after the CRDs of the Karpenter release the docs name are installed. Nothing is persisted.
 
-The CRDs come from the ``karpenter/`` folder of the envtest CRD folder (``find_crds()``, beside
-``KUBEBUILDER_ASSETS``); without it the server tests skip and say so.
+The CRDs come from the ``karpenter/`` folder of the test CRD folder (``find_crds()``:
+``HEALTHAGENT_TEST_CRDS``, or ``crds/`` beside ``KUBEBUILDER_ASSETS``); without it the server tests
+skip and say so.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import requests
 import yaml
 
 from tests.support.crds import crd_served
-from tests.support.envtest import ControlPlane, find_crds
+from tests.support.envtest import ControlPlane, find_crds, missing_crds_reason
 from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,10 +75,11 @@ def test_the_docs_name_the_karpenter_release_the_examples_are_checked_against():
 
 def karpenter_crds() -> list[dict[str, Any]]:
     crds = find_crds()
-    folder = crds / "karpenter" if crds is not None else None
-    if folder is None or not folder.is_dir():
-        pytest.skip("needs Karpenter's CRDs: no karpenter/ folder in the envtest CRD folder "
-                    "(crds/ beside KUBEBUILDER_ASSETS)")
+    if crds is None:
+        pytest.skip(missing_crds_reason("Karpenter's CRDs (in the CRD folder's karpenter/)"))
+    folder = crds / "karpenter"
+    if not folder.is_dir():
+        pytest.skip(f"needs Karpenter's CRDs: no karpenter/ folder in {crds}")
     readme = folder / "README.md"
     if readme.exists():
         assert KARPENTER_VERSION in readme.read_text(encoding="utf-8"), f"{folder} holds another release"

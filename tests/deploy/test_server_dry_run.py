@@ -8,7 +8,8 @@ So each render goes through the README's own command, ``kubectl apply --server-s
 
 As an install on a fresh cluster would, the render's own Namespace is applied for real first (in a
 single real apply it is created before the objects inside it; in a dry run it would not exist).
-The prometheus-operator CRDs come from ``find_crds()`` and are installed for real once. Each
+The prometheus-operator CRDs come from ``find_crds()`` (``HEALTHAGENT_TEST_CRDS``, or ``crds/``
+beside ``KUBEBUILDER_ASSETS``) and are installed for real once. Each
 component is composed onto the generic overlay, as docs/install.md tells an operator to do.
 
 A rejection names the object (kind, namespace/name) and the server's message; a warning the
@@ -30,7 +31,7 @@ import yaml
 
 from tests.support.deploy import COMPONENTS, DEPLOY, OVERLAYS, overlay_with_components, render
 from tests.support.crds import crd_served
-from tests.support.envtest import ControlPlane, find_crds
+from tests.support.envtest import ControlPlane, find_crds, missing_crds_reason
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
@@ -117,8 +118,7 @@ def kubectl_on_server(control_plane: ControlPlane, kubectl: str, tmp_path_factor
     """kubectl for the real server, with prometheus-operator's CRDs installed and served."""
     crds = find_crds()
     if crds is None:
-        pytest.skip("needs prometheus-operator's CRDs (ServiceMonitor, PodMonitor, PrometheusRule): "
-                    "no crds/ folder beside KUBEBUILDER_ASSETS nor in the envtest folder beside the checkout")
+        pytest.skip(missing_crds_reason("prometheus-operator's CRDs (ServiceMonitor, PodMonitor, PrometheusRule)"))
     names = crd_names(crds)
     if not names:
         pytest.skip(f"no CustomResourceDefinition in {crds}")

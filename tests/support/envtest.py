@@ -1,9 +1,11 @@
 """A REAL Kubernetes control plane for tests: etcd and kube-apiserver on loopback.
 
-The binaries come from ``KUBEBUILDER_ASSETS`` (controller-runtime's envtest convention: a folder
-holding ``etcd`` and ``kube-apiserver``), falling back to ``envtest/bin`` in the folder beside the
-checkout when that exists. Without them ``find_assets()`` returns None and the tests that need the
-server skip, naming what is missing, so a fresh clone still passes.
+The binaries come from ``KUBEBUILDER_ASSETS`` and from nowhere else: controller-runtime's envtest
+convention, a folder holding ``etcd`` and ``kube-apiserver`` (``setup-envtest use -p path`` prints
+one). Without them ``find_assets()`` returns None and the tests that need the server skip, naming
+what is missing, so a fresh clone still passes. The CustomResourceDefinitions some tests install
+(prometheus-operator's, and Karpenter's in a ``karpenter/`` subfolder) come from the folder
+``HEALTHAGENT_TEST_CRDS`` names, or else from ``crds/`` beside the ``KUBEBUILDER_ASSETS`` folder.
 
 One ``ControlPlane`` serves a whole test session: its own PKI made with ``openssl`` (a CA, a serving
 certificate for 127.0.0.1, an admin client certificate in ``system:masters`` and the service
@@ -35,9 +37,8 @@ import requests
 
 from tests.support.wait import wait_for
 
-REPO = Path(__file__).resolve().parent.parent.parent
-FALLBACK_ASSETS = REPO.parent / "shared" / "envtest" / "bin"
-CRDS = REPO.parent / "shared" / "envtest" / "crds"
+ASSETS_ENV = "KUBEBUILDER_ASSETS"
+CRDS_ENV = "HEALTHAGENT_TEST_CRDS"
 BINARIES = ("etcd", "kube-apiserver")
 START_TIMEOUT_SECONDS = 90.0
 STOP_TIMEOUT_SECONDS = 15.0
@@ -45,31 +46,44 @@ SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 
 
 def find_assets() -> Path | None:
-    """The folder with ``etcd`` and ``kube-apiserver``, or None."""
-    named = os.environ.get("KUBEBUILDER_ASSETS", "")
-    for folder in ([Path(named)] if named else []) + [FALLBACK_ASSETS]:
-        if all(os.access(folder / name, os.X_OK) for name in BINARIES):
-            return folder
+    """The ``KUBEBUILDER_ASSETS`` folder when it holds executable ``etcd`` and ``kube-apiserver``."""
+    named = os.environ.get(ASSETS_ENV, "")
+    if named and all(os.access(Path(named) / name, os.X_OK) for name in BINARIES):
+        return Path(named)
     return None
-
-
-def find_crds() -> Path | None:
-    """The folder of CustomResourceDefinitions (prometheus-operator's) to install, or None.
-
-    The envtest layout keeps ``crds/`` beside ``bin/``, so ``$KUBEBUILDER_ASSETS/../crds`` comes
-    first; then the ``CRDS`` folder beside the checkout. Tests that need the CRDs skip on None.
-    """
-    named = os.environ.get("KUBEBUILDER_ASSETS", "")
-    candidates = ([Path(named).parent / "crds"] if named else []) + [CRDS]
-    return next((folder for folder in candidates if folder.is_dir()), None)
 
 
 def missing_reason() -> str:
     """Why the real API server cannot run here: the skip reason tests give."""
-    named = os.environ.get("KUBEBUILDER_ASSETS", "")
-    where = f"KUBEBUILDER_ASSETS={named}" if named else "KUBEBUILDER_ASSETS (unset)"
-    return (f"needs a real kube-apiserver and etcd: none executable in {where} nor in "
-            f"{FALLBACK_ASSETS}; set KUBEBUILDER_ASSETS to an envtest binary folder")
+    named = os.environ.get(ASSETS_ENV, "")
+    if not named:
+        return (f"needs a real kube-apiserver and etcd: {ASSETS_ENV} is unset; set it to a folder "
+                f"holding both (controller-runtime's envtest layout, `setup-envtest use -p path`)")
+    missing = [name for name in BINARIES if not os.access(Path(named) / name, os.X_OK)]
+    return (f"needs a real kube-apiserver and etcd: {ASSETS_ENV}={named} has no executable "
+            f"{' nor '.join(missing)}")
+
+
+def find_crds() -> Path | None:
+    """The folder of CustomResourceDefinitions to install, or None: ``HEALTHAGENT_TEST_CRDS``, else
+    ``crds/`` beside the ``KUBEBUILDER_ASSETS`` folder. Tests that need the CRDs skip on None with
+    ``missing_crds_reason()``."""
+    named = os.environ.get(CRDS_ENV, "")
+    if named:
+        return Path(named) if Path(named).is_dir() else None
+    assets = os.environ.get(ASSETS_ENV, "")
+    beside = Path(assets).parent / "crds" if assets else None
+    return beside if beside is not None and beside.is_dir() else None
+
+
+def missing_crds_reason(what: str) -> str:
+    """Why ``what`` (a list of CRDs) cannot be installed here: the skip reason tests give."""
+    named = os.environ.get(CRDS_ENV, "")
+    if named:
+        return f"needs {what}: {CRDS_ENV}={named} is not a folder"
+    assets = os.environ.get(ASSETS_ENV, "")
+    where = f"no crds/ folder beside {ASSETS_ENV}={assets}" if assets else f"{ASSETS_ENV} is unset too"
+    return f"needs {what}: {CRDS_ENV} is unset and {where}; set {CRDS_ENV} to the CRDs' folder"
 
 
 def free_port() -> int:
