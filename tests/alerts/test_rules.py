@@ -127,7 +127,7 @@ def _cases() -> dict[str, list[tuple[str, float, list]]]:
 CASES = _cases()
 
 
-def test_issue_alerts_exist():
+def test_required_alerts_exist():
     assert REQUIRED_ALERTS <= set(ALERT_NAMES)
     assert len(ALERT_NAMES) == len(set(ALERT_NAMES))
 

@@ -1,6 +1,6 @@
 """The whole agent (``AgentRuntime``) on the demo node against the fake API server.
 
-The issue's end-to-end check: an XID 95 in the kernel log leads to the NoExecute taint, the health
+The end-to-end check: an XID 95 in the kernel log leads to the NoExecute taint, the health
 label, the condition and one Event; a second agent start on the same state and node writes
 nothing. NVML is off (no C compiler needed): the XID arrives through the kernel-log source.
 Waiting is on conditions with generous timeouts, never on a bare sleep.

@@ -9,7 +9,7 @@ from healthagent.policy.settings import THRESHOLDS
 DOC = (Path(__file__).parents[2] / "docs" / "findings.md").read_text(encoding="utf-8")
 
 # The stable finding codes (docs, alerts and dashboards use them).
-BRIEF_CODES = """GPU_XID NVSWITCH_SXID GPU_ECC_DBE GPU_SBE_STORM GPU_ROW_REMAP_FAILURE GPU_ROW_REMAP_PENDING
+STABLE_CODES = """GPU_XID NVSWITCH_SXID GPU_ECC_DBE GPU_SBE_STORM GPU_ROW_REMAP_FAILURE GPU_ROW_REMAP_PENDING
 GPU_RETIRED_PAGES GPU_RETIRED_PAGES_PENDING GPU_LOST GPU_MISSING GPU_INIT_FAILED GPU_NVLINK_ERRORS GPU_PCIE_REPLAY
 GPU_THERMAL_THROTTLE GPU_POWER_THROTTLE EFA_DEVICE_MISSING EFA_ADMIN_QUEUE_STUCK EFA_CMD_ERRORS
 EFA_UNRESPONSIVE_REMOTE EFA_IMPAIRED_REMOTE EFA_RETRANS_TIMEOUT EFA_RX_DROPS EFA_WR_ERRORS""".split()
@@ -20,8 +20,8 @@ def sections() -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
-def test_codes_match_the_brief():
-    assert sorted(FINDING_CODES) == sorted(BRIEF_CODES)
+def test_codes_are_the_stable_set():
+    assert sorted(FINDING_CODES) == sorted(STABLE_CODES)
 
 
 def test_every_code_has_a_section_with_meaning_evidence_action_runbook():

@@ -1,6 +1,6 @@
-"""The EFA driver's counter list, read from an independent copy of the reference
-(``tests/fixtures/efa/efa-counters.txt``, from shared/reference), so tests can check the demo node
-and the EFA source against the driver's facts rather than against the code under test."""
+"""The EFA driver's counter list, read from an independent copy taken from the driver's source
+(``tests/fixtures/efa/efa-counters.txt``), so tests can check the demo node and the EFA source
+against the driver's facts rather than against the code under test."""
 
 from __future__ import annotations
 
