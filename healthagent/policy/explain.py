@@ -106,17 +106,60 @@ def engine_lines(xid: int, action: Action, vocabulary: str = "healthagent",
     return lines
 
 
+# -- where this project's default is not NVIDIA's bucket -------------------------------------------
+
+def bucket_action(entry: CatalogEntry) -> Action | None:
+    """What NVIDIA's immediate bucket alone gives (the mapping rule), None without a rule."""
+    return BUCKET_ACTIONS.get(entry.bucket) if entry.known else None
+
+
+def departs(entry: CatalogEntry) -> bool:
+    """The bundled row's action is not the mapping rule's: this project chose otherwise."""
+    rule = bucket_action(entry)
+    return rule is not None and entry.catalog_action is not None and entry.catalog_action is not rule
+
+
+def _numbers(xids: list[int]) -> str:
+    words = [str(x) for x in xids]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def departure_lines(xid: int, entry: CatalogEntry, catalog: Catalog) -> list[str]:
+    """Said plainly when the default is this project's and not NVIDIA's: the action, why, and the
+    policy-file key that changes it. XID 63, 64, 94 and 95 replace the node although NVIDIA's
+    buckets say monitor, reset_gpu or restart_app; the reader of "Our action" must not have to
+    reconcile two contradicting lines during an incident."""
+    rule = bucket_action(entry)
+    assert rule is not None and entry.catalog_action is not None
+    lines = [f"Our action: {entry.action.value}" + (
+        "" if entry.overridden else
+        f" (this project's default, not NVIDIA's: the bucket {entry.bucket} alone would give {rule.value})")]
+    if entry.catalog_action is Action.REPLACE_NODE:
+        group = [e.xid for e in catalog.entries() if departs(e) and e.catalog_action is Action.REPLACE_NODE]
+        lines.append(f"Why: by default this project replaces the node on XID {_numbers(group)}: each reports "
+                     "the GPU's memory failing (a row remapped or a remap that failed, an ECC error "
+                     "contained or not), so the GPU needs service, and a job put back on it is likely "
+                     "to fail again.")
+    if not entry.overridden:
+        lines.append(f"To change it: in the policy file (--policy-file FILE, or the policy_file setting) "
+                     f"set `xid: {{{xid}: {rule.value}}}` for NVIDIA's action, or any other action.")
+    return lines
+
+
 def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healthagent",
             hyperpod_labels: bool = False) -> str:
     entry = catalog.lookup(xid)
     lines = [f"XID {xid}: {entry.name}" + (f" - {entry.description}" if entry.description else "")]
     if entry.known:
         lines.append(f"NVIDIA resolution bucket: {entry.nvidia_resolution or '(blank in NVIDIA catalog)'}")
-        if entry.bucket in BUCKET_ACTIONS:
+        if entry.bucket in BUCKET_ACTIONS and not departs(entry):
             lines.append(f"Mapping rule: NVIDIA bucket {entry.bucket} -> {BUCKET_ACTIONS[entry.bucket].value}")
     else:
         lines.append("NVIDIA resolution bucket: none (not in NVIDIA's catalog for Ampere and newer)")
-    lines.append(f"Our action: {entry.action.value}")
+    if departs(entry):
+        lines += departure_lines(xid, entry, catalog)
+    else:
+        lines.append(f"Our action: {entry.action.value}")
     lines.append(f"Decided by: {entry.decided_by()}")
     if xid == RECOVERY_XID and not entry.overridden:
         lines.append("XID 154 text: the action comes from the driver's message: 'None' -> monitor, "

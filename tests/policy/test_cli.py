@@ -73,3 +73,33 @@ def test_check_on_the_demo_node(tmp_path, xid, exit_code, words):
     for word in words:
         assert word in verdict_table
     assert "GPU_XID on GPU 3 (0000:86:00.0)" in verdict_table  # GPU 3, its PCI id
+
+
+# -- explain: this project's departures from NVIDIA's buckets, said plainly -------------------------
+
+@pytest.mark.parametrize("xid,bucket_action", [(63, "monitor"), (64, "reset_gpu"), (94, "restart_app"),
+                                               (95, "reset_gpu")])
+def test_explain_says_plainly_that_the_default_replaces_the_node(capsys, xid, bucket_action):
+    assert main(["explain", str(xid)]) == 0
+    out = capsys.readouterr().out
+    assert "Mapping rule:" not in out  # no line that contradicts "Our action"
+    assert "Our action: replace_node (this project's default, not NVIDIA's" in out
+    assert f"would give {bucket_action})" in out
+    assert "by default this project replaces the node on XID 63, 64, 94 and 95" in out
+    assert "needs service" in out
+    assert f"set `xid: {{{xid}: {bucket_action}}}`" in out and "--policy-file FILE" in out
+
+
+def test_explain_after_an_override_says_the_operators_action(tmp_path, capsys):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("xid: {63: monitor}\n", encoding="utf-8")
+    assert main(["explain", "63", "--policy-file", str(policy)]) == 0
+    out = capsys.readouterr().out
+    assert "Our action: monitor\n" in out and "operator override" in out
+    assert "To change it" not in out
+
+
+def test_explain_keeps_the_mapping_rule_where_the_default_follows_it(capsys):
+    assert main(["explain", "48"]) == 0
+    out = capsys.readouterr().out
+    assert "Mapping rule: NVIDIA bucket WORKFLOW_XID_48 -> reset_gpu" in out and "this project's default" not in out
