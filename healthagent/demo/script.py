@@ -71,8 +71,13 @@ def run_demo(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="  log: %(levelname)s %(name)s %(message)s")
     logging.getLogger("healthagent.effects").setLevel(logging.INFO)
+    # The stub in NVML's place is what the demo is: its header says so, so the warning that keeps
+    # a stub from passing for a real GPU elsewhere would only be a scary first line here.
+    logging.getLogger("healthagent.demo.stub_setup").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="healthagent-demo-") as tmp:
         node = build_demo_root(Path(tmp) / "host")
+        _say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 answered by the stub NVML library "
+             f"the demo builds, {len(node.efa_devices)} EFA devices), Kubernetes in dry-run")
         settings = demo_settings(node, Path(tmp), args.listen)
         from healthagent.demo.stub_setup import use_stub_nvml
         from healthagent.wiring import AgentRuntime
@@ -116,12 +121,22 @@ def _check_command(node: DemoNode) -> str:
     return f"{prefix} healthagent check --host-root {shlex.quote(str(node.root))}"
 
 
+def no_execute_words(seconds: float) -> str:
+    """What the demo says when NoExecute lands ``seconds`` after it saw NoSchedule: the number it
+    measured and why it is not exactly the grace, so the words agree with what happened (on a
+    busy machine the effects' pass comes late, and the demo says so instead of contradicting the
+    grace it announced)."""
+    expected = DEMO_GRACE_SECONDS + DEMO_EFFECTS_PASS_SECONDS
+    why = (f"the {DEMO_GRACE_SECONDS:g} s grace, then the effects' next pass" if seconds <= expected + 1 else
+           f"the {DEMO_GRACE_SECONDS:g} s grace, then an effects' pass that came late on this busy machine")
+    return (f"taint NoExecute now, {seconds:.1f} s after the demo saw NoSchedule ({why}): the job's pods "
+            "are evicted and it re-rendezvous without this node")
+
+
 def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> int:
     agent = runtime.agent
     metrics_url = f"http://127.0.0.1:{runtime.server.port}/metrics"
     intake_url = f"http://127.0.0.1:{runtime.server.intake_port}/v1/training"
-    _say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 via the stub NVML library, "
-         f"{len(node.efa_devices)} EFA devices), Kubernetes in dry-run")
     if not _wait_for(lambda: agent.verdict is not None and agent.cycles > 0, 15):
         _say("the agent did not complete a cycle in 15 s; see the log lines above")
         return 3
@@ -161,11 +176,13 @@ def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> 
         _say("   taint NoSchedule now: no new pods land here; the job keeps running so it can checkpoint")
         if agent.verdict.action is Action.REPLACE_NODE:
             _say(f"   NoExecute follows once the grace has passed: {DEMO_GRACE_SECONDS:g} s after the "
-                 f"NoSchedule taint in the demo (120 s by default), at the effects' next pass")
-            if _wait_for(taint_is("NoExecute"), DEMO_GRACE_SECONDS + 15):
-                _say(f"   taint NoExecute now, {time.monotonic() - tainted:.0f} s after NoSchedule (the "
-                     "log's since_taint_seconds): the job's pods are evicted and it re-rendezvous "
-                     "without this node")
+                 f"NoSchedule taint in the demo (120 s by default), at the effects' next pass "
+                 f"(every {DEMO_EFFECTS_PASS_SECONDS:g} s in the demo)")
+            waited = DEMO_GRACE_SECONDS + 15
+            if _wait_for(taint_is("NoExecute"), waited):
+                _say("   " + no_execute_words(time.monotonic() - tainted))
+            else:
+                _say(f"   no NoExecute within {waited:g} s of NoSchedule; see the log lines above")
     kube = agent.kube_status
     _say(f"   taint effect now: {kube.taint_effect or 'none'}; budget holding it back: {kube.budget_blocked}")
 
