@@ -15,22 +15,21 @@ that need them, so ``check`` and ``classify`` start fast on a bare node image.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import os
 import re
 import signal
 import sys
+import textwrap
 import time
-from dataclasses import asdict, fields
-from typing import Any, Iterable
+from dataclasses import fields
+from typing import Any, Iterator
 
 from healthagent import __version__
+from healthagent.check_report import EXIT_CANNOT_RUN, check_exit_code, check_json, collect_once, render_check
 from healthagent.config import ConfigError, Settings, load_settings
-from healthagent.model import Collection, natural_key
 
-EXIT_CANNOT_RUN = 3
 EXIT_USAGE = EXIT_CANNOT_RUN  # a usage error is "could not run", never check's 2 ("node action")
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a Unix tool whose reader left
 
@@ -39,12 +38,41 @@ class CannotRun(Exception):
     """A command cannot do its job (an input file that cannot be read); ``str()`` is one line."""
 
 
+class _Help(argparse.HelpFormatter):
+    """argparse's help without breaking words at hyphens ("in-cluster", "dry-run" stay whole)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with usage errors exiting 3 (argparse's own 2 is check's "node action required")."""
+    """argparse with usage errors exiting 3 (argparse's own 2 is check's "node action required"),
+    and an unknown flag after a command shown with that command's usage: ``check --bogus`` is a
+    mistake about ``check``, and its usage is the one that lists what ``check`` accepts."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> Any:
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = getattr(self, "commands", {}).get(getattr(parsed, "command", None), self)
+            owner.error("unrecognized arguments: " + " ".join(extras))
+        return parsed
+
+
+def _default(name: str) -> str:
+    """A setting's default as ``--help`` shows it: read from ``Settings``, so the help cannot
+    drift from what the agent does."""
+    value = next(f.default for f in fields(Settings) if f.name == name)
+    return "unset" if value in (None, "") else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _demo_gpu(text: str) -> int:
@@ -66,20 +94,30 @@ def _whole_number(text: str) -> int:
     return value
 
 
-def _add_host_flags(p: argparse.ArgumentParser) -> None:
+def _add_host_flags(p: argparse.ArgumentParser, log_level: str) -> None:
     p.add_argument("--config", help="YAML settings file (also HEALTHAGENT_CONFIG)")
-    p.add_argument("--host-root", help="where the host's /sys, /dev/kmsg and logs are (default /)")
-    p.add_argument("--kernel-log", help="read this kernel-log file instead of dev/kmsg")
-    p.add_argument("--policy-file", help="YAML policy overrides")
-    p.add_argument("--dcgm-url", help="dcgm-exporter /metrics URL (off unless set)")
-    p.add_argument("--expected-gpus", help="GPUs this node must have")
-    p.add_argument("--expected-efa-devices", help="EFA devices this node must have (p5.48xlarge: 32)")
+    p.add_argument("--host-root", metavar="DIR",
+                   help=f"where the host's /sys, /dev/kmsg and logs are (default {_default('host_root')})")
+    p.add_argument("--kernel-log", metavar="FILE", help="read this kernel-log file instead of dev/kmsg")
+    p.add_argument("--policy-file", metavar="FILE", help="YAML policy overrides (default: none)")
+    p.add_argument("--dcgm-url", metavar="URL", help="dcgm-exporter /metrics URL (default: off)")
+    p.add_argument("--expected-gpus", metavar="N",
+                   help="GPUs this node must have (default: from the instance type, else not checked)")
+    p.add_argument("--expected-efa-devices", metavar="N",
+                   help="EFA devices this node must have (p5.48xlarge: 32; default: not checked, or the "
+                        "instance type's with --set efa_expected_from_instance_type=true)")
     p.add_argument("--no-nvml", dest="nvml", action="store_const", const="false",
                    help="do not read NVML (no driver on this host)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--log-level", metavar="LEVEL", help=f"DEBUG, INFO, WARNING or ERROR (default {log_level})")
     p.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
                    help="any setting by its name, as in the YAML file (an unknown name lists them all), "
                         "e.g. --set source_timeout_seconds=10; repeatable; a dedicated flag wins")
+
+
+STATE_FILE_HELP = (f"state that survives restarts (default in a pod: {_default('state_file')}, the DaemonSet's "
+                   "hostPath; outside a pod: $XDG_STATE_HOME/healthagent/state.json, else "
+                   "~/.local/state/healthagent/state.json, so a trial run never writes the file an agent "
+                   "of the DaemonSet on this node owns)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,38 +129,49 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="the DaemonSet agent loop")
-    _add_host_flags(run)
-    run.add_argument("--listen", help="HOST:PORT for /metrics, /healthz and /readyz (default 0.0.0.0:9410)")
-    run.add_argument("--training-listen", help="HOST:PORT of the training intake, POST /v1/training "
-                                               "(default: listen's host, port 9412)")
+    _add_host_flags(run, _default("log_level"))
+    run.add_argument("--listen", metavar="HOST:PORT",
+                     help=f"where /metrics, /healthz and /readyz are served (default {_default('listen')})")
+    run.add_argument("--training-listen", metavar="HOST:PORT",
+                     help="where the training intake, POST /v1/training, is served (default: listen's "
+                          "host, port 9412)")
     run.add_argument("--training-intake", choices=("token", "open", "off"),
-                     help="who may post training reports (default token: a job token or the training key)")
-    run.add_argument("--kube", help="in-cluster, kubeconfig, dry-run or off")
-    run.add_argument("--kubeconfig", help="kubeconfig file when --kube kubeconfig")
+                     help=f"who may post training reports (default {_default('training_intake')}: a job "
+                          "token or the training key)")
+    run.add_argument("--kube", metavar="MODE",
+                     help=f"in-cluster, kubeconfig, dry-run or off (default {_default('kube')})")
+    run.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig file when --kube kubeconfig")
     run.add_argument("--node-name", help="this node's name (default: NODE_NAME); needed by every --kube mode but off")
-    run.add_argument("--state-file", help="state that survives restarts")
+    run.add_argument("--state-file", metavar="FILE", help=STATE_FILE_HELP)
     run.add_argument("--hyperpod-labels", action="store_const", const="true",
                      help="also set sagemaker.amazonaws.com/node-health-status")
 
     check = sub.add_parser("check", help="collect once, classify, print the verdict (exit 0/1/2/3)")
-    _add_host_flags(check)
+    _add_host_flags(check, "ERROR")
     check.add_argument("--json", action="store_true", help="print JSON for machines")
 
     classify = sub.add_parser(
-        "classify", help="classify XID lines of kernel-log text, one JSON object per event")
-    classify.add_argument("file", nargs="?", default="-", help="dmesg/journalctl/kmsg text, - for stdin")
-    classify.add_argument("--policy-file", help="YAML policy overrides")
+        "classify", help="classify XID lines of kernel-log text, one JSON object per event",
+        description="One JSON object per XID or SXid line on stdout; how many lines were read and how "
+                    "many were XIDs goes to stderr.")
+    classify.add_argument("file", nargs="?",
+                          help="dmesg/journalctl/kmsg text, - for stdin (default: the kernel log under "
+                               "--host-root when it is given, else stdin)")
+    classify.add_argument("--host-root", metavar="DIR",
+                          help="the host root whose dev/kmsg is read when no file is given; its boot time "
+                               "dates the lines' kernel stamps, as check and run do")
+    classify.add_argument("--policy-file", metavar="FILE", help="YAML policy overrides (default: none)")
 
     explain = sub.add_parser("explain", help="what an XID means and what the agent does about it")
     explain.add_argument("xid", type=_whole_number, help="the XID number, e.g. 94")
-    explain.add_argument("--policy-file", help="YAML policy overrides")
+    explain.add_argument("--policy-file", metavar="FILE", help="YAML policy overrides (default: none)")
     explain.add_argument("--config", help="YAML settings file (also HEALTHAGENT_CONFIG)")
     explain.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
                          help="a setting, e.g. --set condition_vocabulary=eks or --set hyperpod_labels=true "
                               "(what a replacement engine does depends on them); repeatable")
 
     demo = sub.add_parser("demo", help="run the agent on the bundled demo node through a scripted fault")
-    demo.add_argument("--listen", default="127.0.0.1:0",
+    demo.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                       help="where the demo agent serves /metrics (default: a free loopback port)")
     demo.add_argument("--xid", type=_whole_number, default=94, help="XID to inject (default 94)")
     demo.add_argument("--gpu", type=_demo_gpu, default=3, help="GPU index to inject it on, 0-7 (default 3)")
@@ -138,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "holding the job and its token, instead of the bare token")
     token.add_argument("--name", help="the Secret's name (default healthagent-job-<job>)")
     token.add_argument("--config", help="YAML settings file (also HEALTHAGENT_CONFIG)")
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -187,23 +237,32 @@ def _catalog(policy_file: str | None):
 
 
 def cmd_classify(args: argparse.Namespace) -> int:
+    """One JSON object per XID line on stdout; on stderr, how many lines were read and how many
+    were XIDs (so an empty stdout says "none found", not "nothing read")."""
+    from healthagent.cli_inputs import InputUnreadable, classify_input, open_lines, summary
     from healthagent.policy.classify import classify_event
     from healthagent.sources.kernel_log.offline import iter_events
 
     _, catalog = _catalog(args.policy_file)
-    if args.file == "-":
-        # Decode stdin as the file path does: undecodable bytes become U+FFFD, never lone
-        # surrogates (the locale's surrogateescape) that would leak into the JSON.
-        stream = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
-    else:
-        try:
-            stream = open(args.file, encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise CannotRun(f"classify: cannot read {args.file!r} ({exc.strerror}); pass a file of "
-                            "kernel-log text (dmesg, journalctl -k) or - for stdin") from None
-    with stream:
-        for event in iter_events(stream, time.time()):
-            print(json.dumps(classify_event(event, catalog), sort_keys=True))
+    source = classify_input(args.file, args.host_root)
+    read = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal read
+        for line in open_lines(source.path):
+            read += 1
+            yield line
+
+    found = {"xid": 0, "sxid": 0}
+    try:
+        for event in iter_events(counted(), time.time(), host_root=args.host_root or "/"):
+            row = classify_event(event, catalog)
+            found["sxid" if "sxid" in row else "xid"] += 1
+            print(json.dumps(row, sort_keys=True))
+    except InputUnreadable as exc:
+        raise CannotRun(str(exc)) from None
+    sys.stdout.flush()  # the rows before the summary, when both go to one terminal
+    print(summary(found["xid"], found["sxid"], read, source.where), file=sys.stderr)
     return 0
 
 
@@ -221,122 +280,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 # -- check ----------------------------------------------------------------------------------------
-
-def collect_once(settings: Settings) -> Collection:
-    """One collection from every configured source, as ``check`` and the demo show it."""
-    from healthagent.agent import enrich_xid
-    from healthagent.wiring import build_sources, expected_inventory
-
-    now = time.time()
-    expected = expected_inventory(settings)  # configured, else from the instance type
-    sources = build_sources(settings).all()
-    results = [source.collect(now) for source in sources]
-    for source in sources:
-        source.close()
-    gpus = next((r.gpus for r in results if r.gpus and r.health.source == "nvml"), None) or next(
-        (r.gpus for r in results if r.gpus), ())
-    xids = tuple(enrich_xid(x, gpus) for r in results for x in r.xids)
-    return Collection(
-        timestamp=now, gpus=gpus, xids=xids, efa=tuple(s for r in results for s in r.efa),
-        health=tuple(r.health for r in results), expected_gpus=expected[0], expected_efa_devices=expected[1],
-    )
-
-
-def _table(rows: Iterable[Iterable[Any]], header: list[str]) -> str:
-    rows = [[("-" if v is None or v == "" else str(v)) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
-    return "\n".join(out)
-
-
-def _finding_subject(f) -> str:
-    if f.gpu_index is not None:
-        return f"GPU {f.gpu_index} ({f.pci_bus_id})" if f.pci_bus_id else f"GPU {f.gpu_index}"
-    return f.pci_bus_id or f.efa_device or "node"
-
-
-def check_exit_code(verdict, nvml_asked: bool) -> int:
-    """``check``'s exit code: the verdict's 0/1/2, but 3 (could not run) when the GPUs could not be
-    observed and NVML was asked for, because "no finding" about GPUs nobody saw is not "healthy".
-    A finding that already demands a node action stands (2): what was seen is enough to act on."""
-    if verdict.action.needs_node_action:
-        return 2
-    if "gpu" in verdict.unobserved and nvml_asked:
-        return EXIT_CANNOT_RUN
-    return verdict.exit_code
-
-
-_UNOBSERVED_WORDS = {"gpu": ("GPUs could not be observed", ("nvml", "dcgm")),
-                     "efa": ("EFA devices could not be observed", ("efa",)),
-                     "kernel_log": ("The kernel log could not be read", ("kmsg",))}
-
-
-def _unobserved_lines(collection, verdict) -> list[str]:
-    lines = []
-    for part in verdict.unobserved:
-        title, sources = _UNOBSERVED_WORDS.get(part, (f"{part} could not be observed", ()))
-        why = "; ".join(f"{h.source} {h.detail}".rstrip() for h in collection.health
-                        if h.source in sources and not h.up)
-        if not why and part == "gpu":
-            why = f"no GPU source is configured, and {collection.expected_gpus} GPUs are expected"
-        lines.append(f"{title}: {why or 'no source answered'}")
-    return lines
-
-
-def render_check(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0) -> str:
-    """The report a person reads on a suspect node: what was read, what could not be seen, then
-    each finding as a block (what, why, the evidence, what to do next), most severe first."""
-    lines = [f"GPUs: {len(collection.gpus)} read"]
-    lines.append(_table(
-        ([g.index, g.pci_bus_id, g.uuid, g.name, "LOST" if g.lost else "ok", g.temperature_c,
-          g.power_w, g.ecc.aggregate_uncorrected, g.remap.pending, g.remap.failure]
-         for g in collection.gpus),
-        ["GPU", "PCI", "UUID", "MODEL", "STATE", "TEMP_C", "POWER_W", "DBE_AGG", "REMAP_PENDING",
-         "REMAP_FAILURE"]))
-    devices = sorted({s.device for s in collection.efa}, key=natural_key)
-    lines.append("")
-    lines.append(f"EFA devices: {len(devices)} read" + (f" ({devices[0]} .. {devices[-1]})" if devices else ""))
-    lines.append("Sources:")
-    lines.extend(f"  {h.source:<5} {'up' if h.up else 'DOWN':<4} {h.detail}".rstrip()
-                 for h in collection.health)
-    lines.append(f"XID events in the kernel log / NVML: {sum(x.repeats for x in collection.xids)}")
-    if earlier_boot_xids:
-        lines.append(f"{earlier_boot_xids} XID events from earlier boots (not judged)")
-    lines.extend(_unobserved_lines(collection, verdict))
-    lines.append("")
-    code = verdict.exit_code if exit_code is None else exit_code
-    meaning = {0: "healthy", 1: "degraded", 2: "node action required", 3: "could not run"}[code]
-    if verdict.unobserved and code in (0, 1):
-        meaning += " as far as seen; not observed: " + ", ".join(verdict.unobserved)
-    lines.append(f"Verdict: {verdict.action.value} ({meaning})")
-    for f in verdict.findings:
-        lines.append("")
-        lines.append(f"[{f.action.value}] {f.code} on {_finding_subject(f)}")
-        lines.append(f"  what: {f.summary}")
-        lines.append(f"  seen: {f.evidence}")
-        lines.append(f"  next: {f.next_steps}")
-    return "\n".join(lines)
-
-
-def check_json(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0) -> dict[str, Any]:
-    def finding(f):
-        d = asdict(f)
-        d["action"] = f.action.value
-        return d
-
-    return {
-        "verdict": verdict.action.value,
-        "exit_code": verdict.exit_code if exit_code is None else exit_code,
-        "unobserved": list(verdict.unobserved),
-        "findings": [finding(f) for f in verdict.findings],
-        "gpus": [asdict(g) for g in collection.gpus],
-        "efa_devices": sorted({s.device for s in collection.efa}),
-        "sources": [asdict(h) for h in collection.health],
-        "xid_events": sum(x.repeats for x in collection.xids),
-        "xid_events_earlier_boots": earlier_boot_xids,
-    }
-
 
 def cmd_check(args: argparse.Namespace) -> int:
     settings = _settings(args)
@@ -359,9 +302,20 @@ def cmd_check(args: argparse.Namespace) -> int:
 # -- run / demo -----------------------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``healthagent run``: start, wait for SIGTERM/SIGINT, finish the write in flight, exit 0."""
+    """``healthagent run``: start, wait for SIGTERM/SIGINT, finish the write in flight, exit 0.
+
+    Outside a pod, with no state file named, the state goes to the user's state directory and one
+    log line says where (``cli_inputs.choose_state_file`` says why)."""
+    from healthagent.cli_inputs import choose_state_file, in_a_pod, state_file_given
+
     settings = _settings(args)
+    given = state_file_given(args.state_file, parse_set_values(args.set_values), os.environ, args.config)
+    choice = choose_state_file(given, in_a_pod(os.environ), os.environ, os.path.expanduser("~"))
+    if choice.path:
+        settings = _settings(args, state_file=choice.path)
     _setup_logging(settings.log_level)
+    if choice.note:
+        logging.getLogger(__name__).info(choice.note)
     from healthagent.wiring import AgentRuntime
 
     runtime = AgentRuntime(settings)

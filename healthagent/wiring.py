@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # types only: each builder imports what it builds when it bui
     from healthagent.sources.kernel_log.cursor import KmsgCursor
     from healthagent.sources.kernel_log.source import KmsgSource
     from healthagent.sources.nvml import NvmlSource
+    from healthagent.telemetry.server import ListenError
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,17 @@ def kube_api_client(settings: Settings) -> Any:
     return client.ApiClient(configuration)
 
 
+def listen_error_words(exc: ListenError) -> str:
+    """The one line for a listener that could not bind: the address that failed (the other
+    listener is fine) and the flag that moves it."""
+    setting = exc.setting
+    flag = "--listen" if setting == "listen" else "--training-listen"
+    off = ", or --training-intake off for no intake" if setting == "training_listen" else ""
+    return (f"{setting}: cannot listen on {exc.address} ({exc.strerror or exc}); "
+            f"give {flag} a free port on an address of this host, e.g. {flag} 0.0.0.0:PORT "
+            f"(port 0 picks a free one){off}")
+
+
 class AgentRuntime:
     """Everything ``healthagent run`` starts, built from ``settings``, with start/stop so the
     command, the demo and the tests hold the same object."""
@@ -222,13 +234,12 @@ class AgentRuntime:
 
     def start(self, owns_process: bool = False) -> None:
         """Serve HTTP and run the loop on a background thread (``owns_process``: see ``Agent.run``)."""
+        from healthagent.telemetry.server import ListenError
+
         try:
             self.server.start()
-        except OSError as exc:  # port in use, address not on this host, name that does not resolve
-            raise ConfigError(f"listen: cannot listen on {self.settings.listen} (and the training "
-                              f"intake on {':'.join(map(str, self.settings.training_listen_address()))}) "
-                              f"({exc.strerror or exc}); choose free ports and an address of this "
-                              "host, e.g. --listen 0.0.0.0:9410 --set training_listen=0.0.0.0:9412") from None
+        except ListenError as exc:  # port in use, address not on this host, name that does not resolve
+            raise ConfigError(listen_error_words(exc)) from None
         self._thread = threading.Thread(target=self.agent.run, args=(self.stop_event, self.server, owns_process),
                                         name="healthagent-loop", daemon=True)
         self._thread.start()

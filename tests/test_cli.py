@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from healthagent.cli import EXIT_BROKEN_PIPE, _settings, build_parser, main
+from healthagent.cli_inputs import POD_STATE_FILE, SERVICE_ACCOUNT_TOKEN
 from healthagent.config import Settings, load_settings
 from healthagent.training.access import Grant, IntakeAccess
 
@@ -46,6 +48,38 @@ def one_error_line(proc: subprocess.CompletedProcess, prefix: str) -> str:
 def run_args(tmp_path: Path, *extra: str) -> list[str]:
     return ["run", "--host-root", str(tmp_path), "--no-nvml", "--state-file", str(tmp_path / "state.json"),
             "--node-name", "n1", "--log-level", "ERROR", *extra]
+
+
+# -- run: where the state goes outside a pod -----------------------------------------------------
+
+def test_run_outside_a_pod_keeps_its_state_in_the_users_state_directory(tmp_path):
+    """A trial run by hand (no KUBERNETES_SERVICE_HOST, no service-account token) never writes
+    the DaemonSet's /var/lib/healthagent/state.json; one log line says where the state goes."""
+    if os.path.exists(SERVICE_ACCOUNT_TOKEN):
+        pytest.skip("this test process runs in a pod")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HEALTHAGENT_", "KUBERNETES_", "XDG_STATE_HOME"))}
+    env["HOME"] = str(tmp_path / "home")
+    pod_default_existed = os.path.exists(POD_STATE_FILE)
+    agent = subprocess.Popen([sys.executable, "-m", "healthagent", "run", "--host-root", str(tmp_path),
+                              "--no-nvml", "--kube", "off", "--listen", "127.0.0.1:0"],
+                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    note = ""
+    try:
+        for line in agent.stderr:  # the note comes before the agent starts; it ends with "agent started"
+            if "agent started" in line:
+                break
+            if "not in a pod" in line:
+                note = line
+        agent.send_signal(signal.SIGTERM)  # stopping saves the state
+        assert agent.wait(60) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    expected = tmp_path / "home" / ".local" / "state" / "healthagent" / "state.json"
+    assert f"state goes to {expected} " in note and "--state-file FILE" in note
+    assert expected.is_file()
+    assert os.path.exists(POD_STATE_FILE) == pod_default_existed
 
 
 # -- run: Kubernetes access and the listen address ----------------------------------------------
@@ -82,7 +116,21 @@ def test_a_port_in_use(tmp_path):
         proc = healthagent(*run_args(tmp_path, "--kube", "dry-run", "--listen", f"127.0.0.1:{port}"))
     assert proc.returncode == 3
     line = one_error_line(proc, "healthagent: config error: listen:")
-    assert f"127.0.0.1:{port}" in line and "free port" in line
+    assert f"127.0.0.1:{port}" in line and "free port" in line and "--listen" in line
+    assert "training" not in line  # the intake's port was not the one in use
+
+
+def test_the_training_port_in_use_names_that_port_and_its_own_flag(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = healthagent(*run_args(tmp_path, "--kube", "dry-run", "--listen", "127.0.0.1:0",
+                                     "--training-listen", f"127.0.0.1:{port}"))
+    assert proc.returncode == 3
+    line = one_error_line(proc, "healthagent: config error: training_listen:")
+    assert f"cannot listen on 127.0.0.1:{port} " in line and "free port" in line
+    assert "--training-listen" in line and "--set" not in line
 
 
 def test_an_address_that_is_not_this_hosts(tmp_path):
@@ -178,8 +226,8 @@ def test_every_setting_can_be_set_on_the_command_line(tmp_path):
                "dcgm_url": "http://localhost:9400/metrics", "policy_file": str(tmp_path / "p.yaml"),
                "state_file": str(tmp_path / "s.json"), "taint_key": "healthagent.io/other",
                "budget_node_selector": "gpu=yes", "hyperpod_labels": "true", "log_level": "DEBUG",
-               "training_token": "t0ken-00000000000000000000000000000000", "training_intake": "open", "training_listen": "127.0.0.1:9998",
-               "condition_vocabulary": "eks"}
+               "training_token": "t0ken-00000000000000000000000000000000", "training_intake": "open",
+               "training_listen": "127.0.0.1:9998", "condition_vocabulary": "eks"}
     defaults = Settings()
     for f in fields(Settings):
         if f.name in samples:
@@ -222,6 +270,28 @@ def test_usage_errors_exit_3_with_the_usage_and_one_line(argv):
     err = proc.stderr.decode()
     assert "Traceback" not in err and err.startswith("usage: healthagent")
     assert len([line for line in err.splitlines() if ": error: " in line]) == 1, err
+
+
+@pytest.mark.parametrize("argv,command", [
+    (["check", "--bogus"], "check"),
+    (["run", "--bogus"], "run"),
+    (["classify", "x.log", "y.log"], "classify"),
+    (["explain", "94", "--json"], "explain"),
+])
+def test_an_unknown_argument_shows_its_commands_usage(argv, command):
+    proc = healthagent(*argv)
+    assert proc.returncode == 3
+    err = proc.stderr.decode()
+    assert err.startswith(f"usage: healthagent {command} "), err
+    assert f"healthagent {command}: error: unrecognized arguments: {argv[-1]}" in err
+
+
+def test_help_shows_the_defaults():
+    run_help = " ".join(healthagent("run", "--help").stdout.decode().split())  # argparse wraps lines
+    for words in ("(default in-cluster)", "(default 0.0.0.0:9410)", "in a pod: /var/lib/healthagent/state.json",
+                  "outside a pod: $XDG_STATE_HOME/healthagent/state.json", "(default INFO)", "(default token"):
+        assert words in run_help, words
+    assert "(default ERROR)" in " ".join(healthagent("check", "--help").stdout.decode().split())
 
 
 def test_demo_names_the_gpus_it_has():

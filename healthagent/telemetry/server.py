@@ -65,6 +65,16 @@ def render_metrics(telemetry: Telemetry, accept: str, accept_encoding: str) -> t
     return body, content_type, headers
 
 
+class ListenError(OSError):
+    """A listener could not bind. ``setting`` names which one (``listen`` or ``training_listen``),
+    so the error can name the port actually in use and the flag that moves it."""
+
+    def __init__(self, setting: str, host: str, port: int, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.setting = setting
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class AgentServer:
     """Both listeners; ``start()`` binds them (port 0 picks a free port, see ``.port`` and
     ``.intake_port``). No intake listener when ``intake`` or ``intake_listen`` is None."""
@@ -104,15 +114,21 @@ class AgentServer:
 
     def start(self) -> None:
         """Bind and serve both listeners; if the intake cannot bind, the agent's port is closed
-        again (the caller reports the error and stops)."""
+        again (the caller reports the error and stops). A bind that fails raises ``ListenError``
+        naming the listener."""
         self._started_at = self._monotonic()
-        self._agent.start()
+        try:
+            self._agent.start()
+        except OSError as exc:
+            raise ListenError("listen", self._agent.host, self._agent.requested_port, exc) from exc
         if self._intake is None:
             return
         try:
             self._intake.start()
-        except Exception:
+        except Exception as exc:
             self._agent.stop()
+            if isinstance(exc, OSError):
+                raise ListenError("training_listen", self._intake.host, self._intake.requested_port, exc) from exc
             raise
         level, note = self.access.startup_note()
         getattr(log, level)(note)

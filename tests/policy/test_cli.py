@@ -75,6 +75,37 @@ def test_check_on_the_demo_node(tmp_path, xid, exit_code, words):
     assert "GPU_XID on GPU 3 (0000:86:00.0)" in verdict_table  # GPU 3, its PCI id
 
 
+# -- classify: the host root's kernel log, and a count of what was read -----------------------------
+
+def test_classify_reads_the_kernel_log_under_the_host_root(tmp_path, capsys):
+    from healthagent.demo.node import build_demo_root
+
+    node = build_demo_root(tmp_path / "host")
+    node.inject_xid(3, 94)
+    assert main(["classify", "--host-root", str(node.root)]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["xid"], r["pci_bus_id"], r["action"]) for r in rows] == [(94, "0000:86:00.0", "replace_node")]
+    assert err.startswith(f"1 XID line in {node.root / 'dev' / 'kmsg'} (")
+
+
+def test_classify_says_how_many_xid_lines_it_found_on_stderr(tmp_path, capsys):
+    log = tmp_path / "kern.log"
+    log.write_text("May 01 09:51:15 node kernel: usb 1-1: new high-speed USB device number 2\n" * 3)
+    assert main(["classify", str(log)]) == 0
+    out, err = capsys.readouterr()
+    assert out == ""  # stdout stays JSON lines only
+    assert err == f"0 XID lines in {log} (3 lines read)\n"
+    log.write_text(KERNEL_LOG, encoding="utf-8")
+    assert main(["classify", str(log), "--host-root", str(tmp_path)]) == 0  # a file given wins
+    assert capsys.readouterr().err == f"2 XID lines and 1 SXid line in {log} (4 lines read)\n"
+
+
+def test_classify_names_a_host_root_without_a_kernel_log(tmp_path, capsys):
+    assert main(["classify", "--host-root", str(tmp_path)]) == 3
+    assert f"cannot read '{tmp_path / 'dev' / 'kmsg'}'" in capsys.readouterr().err
+
+
 # -- explain: this project's departures from NVIDIA's buckets, said plainly -------------------------
 
 @pytest.mark.parametrize("xid,bucket_action", [(63, "monitor"), (64, "reset_gpu"), (94, "restart_app"),
@@ -103,3 +134,16 @@ def test_explain_keeps_the_mapping_rule_where_the_default_follows_it(capsys):
     assert main(["explain", "48"]) == 0
     out = capsys.readouterr().out
     assert "Mapping rule: NVIDIA bucket WORKFLOW_XID_48 -> reset_gpu" in out and "this project's default" not in out
+
+
+# -- check --json: devices in the order a person reads them -----------------------------------------
+
+def test_check_json_lists_efa_devices_in_natural_order(tmp_path, capsys):
+    from healthagent.demo.node import build_demo_root
+    from healthagent.model import natural_key
+
+    node = build_demo_root(tmp_path / "host")
+    main(["check", "--host-root", str(node.root), "--no-nvml", "--json"])
+    devices = json.loads(capsys.readouterr().out)["efa_devices"]
+    assert len(devices) == 32 and devices == sorted(devices, key=natural_key)
+    assert devices.index("rdmap79s0") < devices.index("rdmap113s0")

@@ -1,0 +1,133 @@
+"""What ``healthagent check`` collects and prints: the report a person reads on a suspect node,
+the JSON a script reads, and the exit code both rely on.
+
+Apart from the command line so the report can be read (and tested) on its own; the imports of
+the sources stay inside ``collect_once``, so ``check`` starts fast on a bare node image.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any, Iterable
+
+from healthagent.config import Settings
+from healthagent.model import Collection, natural_key
+
+EXIT_CANNOT_RUN = 3
+
+
+def collect_once(settings: Settings) -> Collection:
+    """One collection from every configured source, as ``check`` and the demo show it."""
+    from healthagent.agent import enrich_xid
+    from healthagent.wiring import build_sources, expected_inventory
+
+    now = time.time()
+    expected = expected_inventory(settings)  # configured, else from the instance type
+    sources = build_sources(settings).all()
+    results = [source.collect(now) for source in sources]
+    for source in sources:
+        source.close()
+    gpus = next((r.gpus for r in results if r.gpus and r.health.source == "nvml"), None) or next(
+        (r.gpus for r in results if r.gpus), ())
+    xids = tuple(enrich_xid(x, gpus) for r in results for x in r.xids)
+    return Collection(
+        timestamp=now, gpus=gpus, xids=xids, efa=tuple(s for r in results for s in r.efa),
+        health=tuple(r.health for r in results), expected_gpus=expected[0], expected_efa_devices=expected[1],
+    )
+
+
+def _table(rows: Iterable[Iterable[Any]], header: list[str]) -> str:
+    rows = [[("-" if v is None or v == "" else str(v)) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def _finding_subject(f) -> str:
+    if f.gpu_index is not None:
+        return f"GPU {f.gpu_index} ({f.pci_bus_id})" if f.pci_bus_id else f"GPU {f.gpu_index}"
+    return f.pci_bus_id or f.efa_device or "node"
+
+
+def check_exit_code(verdict, nvml_asked: bool) -> int:
+    """``check``'s exit code: the verdict's 0/1/2, but 3 (could not run) when the GPUs could not be
+    observed and NVML was asked for, because "no finding" about GPUs nobody saw is not "healthy".
+    A finding that already demands a node action stands (2): what was seen is enough to act on."""
+    if verdict.action.needs_node_action:
+        return 2
+    if "gpu" in verdict.unobserved and nvml_asked:
+        return EXIT_CANNOT_RUN
+    return verdict.exit_code
+
+
+_UNOBSERVED_WORDS = {"gpu": ("GPUs could not be observed", ("nvml", "dcgm")),
+                     "efa": ("EFA devices could not be observed", ("efa",)),
+                     "kernel_log": ("The kernel log could not be read", ("kmsg",))}
+
+
+def _unobserved_lines(collection, verdict) -> list[str]:
+    lines = []
+    for part in verdict.unobserved:
+        title, sources = _UNOBSERVED_WORDS.get(part, (f"{part} could not be observed", ()))
+        why = "; ".join(f"{h.source} {h.detail}".rstrip() for h in collection.health
+                        if h.source in sources and not h.up)
+        if not why and part == "gpu":
+            why = f"no GPU source is configured, and {collection.expected_gpus} GPUs are expected"
+        lines.append(f"{title}: {why or 'no source answered'}")
+    return lines
+
+
+def render_check(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0) -> str:
+    """The report a person reads on a suspect node: what was read, what could not be seen, then
+    each finding as a block (what, why, the evidence, what to do next), most severe first."""
+    lines = [f"GPUs: {len(collection.gpus)} read"]
+    lines.append(_table(
+        ([g.index, g.pci_bus_id, g.uuid, g.name, "LOST" if g.lost else "ok", g.temperature_c,
+          g.power_w, g.ecc.aggregate_uncorrected, g.remap.pending, g.remap.failure]
+         for g in collection.gpus),
+        ["GPU", "PCI", "UUID", "MODEL", "STATE", "TEMP_C", "POWER_W", "DBE_AGG", "REMAP_PENDING",
+         "REMAP_FAILURE"]))
+    devices = sorted({s.device for s in collection.efa}, key=natural_key)
+    lines.append("")
+    lines.append(f"EFA devices: {len(devices)} read" + (f" ({devices[0]} .. {devices[-1]})" if devices else ""))
+    lines.append("Sources:")
+    lines.extend(f"  {h.source:<5} {'up' if h.up else 'DOWN':<4} {h.detail}".rstrip()
+                 for h in collection.health)
+    lines.append(f"XID events in the kernel log / NVML: {sum(x.repeats for x in collection.xids)}")
+    if earlier_boot_xids:
+        lines.append(f"{earlier_boot_xids} XID events from earlier boots (not judged)")
+    lines.extend(_unobserved_lines(collection, verdict))
+    lines.append("")
+    code = verdict.exit_code if exit_code is None else exit_code
+    meaning = {0: "healthy", 1: "degraded", 2: "node action required", 3: "could not run"}[code]
+    if verdict.unobserved and code in (0, 1):
+        meaning += " as far as seen; not observed: " + ", ".join(verdict.unobserved)
+    lines.append(f"Verdict: {verdict.action.value} ({meaning})")
+    for f in verdict.findings:
+        lines.append("")
+        lines.append(f"[{f.action.value}] {f.code} on {_finding_subject(f)}")
+        lines.append(f"  what: {f.summary}")
+        lines.append(f"  seen: {f.evidence}")
+        lines.append(f"  next: {f.next_steps}")
+    return "\n".join(lines)
+
+
+def check_json(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0) -> dict[str, Any]:
+    def finding(f):
+        d = asdict(f)
+        d["action"] = f.action.value
+        return d
+
+    return {
+        "verdict": verdict.action.value,
+        "exit_code": verdict.exit_code if exit_code is None else exit_code,
+        "unobserved": list(verdict.unobserved),
+        "findings": [finding(f) for f in verdict.findings],
+        "gpus": [asdict(g) for g in collection.gpus],
+        "efa_devices": sorted({s.device for s in collection.efa}, key=natural_key),
+        "sources": [asdict(h) for h in collection.health],
+        "xid_events": sum(x.repeats for x in collection.xids),
+        "xid_events_earlier_boots": earlier_boot_xids,
+    }
