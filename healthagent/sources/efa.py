@@ -24,15 +24,20 @@ an unreadable or garbage counter file is counted (``unreadable``/``parse``) and 
 rest of that device is still reported.
 
 **Gone or unobserved.** Only ENOENT says a device is gone (its class entry, its PCI function or
-its directory no longer exists). Any other error where the device itself is read (EACCES for an
-agent without CAP_DAC_OVERRIDE, EIO from a device whose driver cannot answer) says nothing about
-the device: it is *unobserved*, named in ``SourceHealth.unobserved`` with the reason, and the
-source reports down (``source_up`` 0, the alert says which device and why) while it still
-reports every device it could read. Policy counts an unobserved device as present, never as
-missing, so a permission problem can never taint a node. Where the device is read: its identity
+its directory no longer exists). Any other error where the device itself is read says nothing
+about the device: EACCES for an agent without CAP_DAC_OVERRIDE, EIO from a device whose driver
+cannot answer, and just as much ELOOP (a looping class or ``device`` link), ENOTDIR (a file where
+a directory of the path belongs) or EISDIR. The real driver makes none of the last ones, so a tree
+that shows them was changed by someone, and whatever hides a device cannot prove it gone. Such a
+device is *unobserved*, named in ``SourceHealth.unobserved`` with the errno, counted
+(``unreadable``) and logged with it, and the source reports down (``source_up`` 0, the alert says
+which device and why) while it still reports every device it could read. Policy counts an
+unobserved device as present, never as missing, so neither a permission problem nor a broken link
+can ever taint a node. Where the device is read: its identity
 (class link, ``device`` link, vendor, device id, driver), the listing of its ports and counter
-directories, and its counters as a whole (a device none of whose counter files can be read);
-one bad counter file among readable ones is only that counter, absent and counted.
+directories, and its counters as a whole (a device none of whose counter files can be read,
+whatever the errno); one bad counter file among readable ones is only that counter, absent and
+counted.
 
 This runs every 10 s over ~32 devices x ~40 files, so it uses ``os.scandir``, and the sysfs files
 of a device whose listing is trusted (below) are held open and read with one ``pread`` each
@@ -54,7 +59,6 @@ reads the device afresh in the same cycle, with the uncached semantics.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -66,7 +70,7 @@ from healthagent.model import EFA_NOT_COUNTERS, EfaSample, SourceHealth, canonic
 from healthagent.common import ErrorTally
 from healthagent.sources.base import SourceResult, host_path
 from healthagent.sources.sysfs_files import HeldFiles, parse_counter, read_once
-from healthagent.sources.sysfs_paths import FaultHook, device_identity, resolve_in_root
+from healthagent.sources.sysfs_paths import FaultHook, device_identity, errno_text, resolve_in_root
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +101,6 @@ class _Unreadable(Exception):
         self.reason = reason
 
 
-# Errors that say the tree is malformed where a device was read (a directory where a counter file
-# belongs, a looping link): the driver never makes them; counted, and that part is skipped. Every
-# other error (EACCES, EPERM, EIO, ENODEV ...) says the device cannot be read: it is unobserved.
-_MALFORMED = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
-
-
-def _blind(exc: OSError) -> bool:
-    """The error hides the device (unobserved), rather than showing a malformed tree."""
-    return exc.errno not in _MALFORMED
-
-
 @dataclass(frozen=True)
 class _EfaDevice:
     name: str
@@ -131,7 +124,7 @@ class _Port:
 class _Layout:
     """What a device's directories list: the device counters, the ports and theirs."""
 
-    counters: Listing | None
+    counters: Listing
     ports: tuple[_Port, ...]
 
 
@@ -201,8 +194,8 @@ class EfaSource:
             self._known = {}
             return self._result(True, f"no {CLASS_DIR} (no RDMA devices on this host)", ())
         except OSError as exc:
-            self.errors.count("unreadable", f"path={class_dir} error={exc.strerror}")
-            return self._result(False, f"cannot read {CLASS_DIR}: {exc.strerror}", ())
+            self.errors.count("unreadable", f"path={class_dir} error={errno_text(exc)}")
+            return self._result(False, f"cannot read {CLASS_DIR}: {errno_text(exc)}", ())
         samples: list[EfaSample] = []
         known: dict[str, _Known] = {}  # only the entries listed now: the cache cannot outgrow sysfs
         unobserved: dict[str, str] = {}  # there, but not readable: never "missing" (module docstring)
@@ -283,7 +276,7 @@ class EfaSource:
                 deferred.commit(self.errors)
                 return samples
         samples, layout = self._read_device(device, now, None, self.errors.count)
-        if layout is not None and layout == entry.seen:
+        if layout == entry.seen:
             entry.layout = layout
         entry.seen = layout
         return samples
@@ -314,21 +307,15 @@ class EfaSource:
             identity = self._identity(host_path(self.host_root, rel), path)
         except FileNotFoundError:
             return None  # vanished, or not backed by a PCI function (rxe, siw): not an EFA
-        except OSError as exc:
-            if not _blind(exc):
-                self.errors.count("unreadable", f"device={name} error={exc.strerror}")
-                return None
-            raise self._unreadable("unreadable", name, f"device={name} error={exc.strerror}", exc) from None
+        except OSError as exc:  # a looping or unreadable link hides the device, never shows it gone
+            raise self._unreadable("unreadable", name, f"device={name} error={errno_text(exc)}", exc) from None
         try:
             vendor = self._read_small(os.path.join(pci_dir, "vendor")).strip().decode("ascii", "replace")
             dev_id = self._read_small(os.path.join(pci_dir, "device")).strip().decode("ascii", "replace")
         except FileNotFoundError:
             return None
         except OSError as exc:
-            if not _blind(exc):
-                self.errors.count("unreadable", f"device={name} pci={pci_dir} error={exc.strerror}")
-                return None
-            raise self._unreadable("unreadable", name, f"device={name} pci={pci_dir} error={exc.strerror}",
+            raise self._unreadable("unreadable", name, f"device={name} pci={pci_dir} error={errno_text(exc)}",
                                    exc) from None
         try:
             is_efa_id = int(vendor, 16) == EFA_VENDOR_ID and dev_id.lower().startswith(EFA_DEVICE_ID_PREFIX)
@@ -341,10 +328,7 @@ class EfaSource:
         except FileNotFoundError:
             return None  # unbound: no driver, no counters
         except OSError as exc:
-            if not _blind(exc):
-                self.errors.count("unreadable", f"device={name} driver link error={exc.strerror}")
-                return None
-            raise self._unreadable("unreadable", name, f"device={name} driver link error={exc.strerror}",
+            raise self._unreadable("unreadable", name, f"device={name} driver link error={errno_text(exc)}",
                                    exc) from None
         if driver != EFA_DRIVER:
             return _Known(identity, None)
@@ -361,13 +345,14 @@ class EfaSource:
     def _unreadable(self, kind: str, name: str, message: str, exc: OSError | None = None) -> _Unreadable:
         """Count why a device cannot be read; the exception that makes it unobserved."""
         self.errors.count(kind, message)
-        return _Unreadable(exc.strerror or str(exc) if exc is not None else message)
+        return _Unreadable(errno_text(exc) if exc is not None else message)
 
     # -- counters ------------------------------------------------------------------------------------
 
     def _read_device(self, device: _EfaDevice, now: float, layout: _Layout | None,
-                     count: Callable[[str, str], None]) -> tuple[list[EfaSample], _Layout | None]:
-        """One sample per port, and the layout read (None when a listing failed: not cacheable).
+                     count: Callable[[str, str], None]) -> tuple[list[EfaSample], _Layout]:
+        """One sample per port, and the layout read (a listing that fails makes the device
+        unobserved: ``_Unreadable``).
 
         With ``layout`` the listings are not read again, and a file they name that has gone
         raises ``_Stale``; without, each directory is listed, as the uncached source always did.
@@ -385,10 +370,8 @@ class EfaSource:
                 self._check_present(device)
                 return [], _Layout(listing, ())  # a device without ports has no port to report
             except OSError as exc:
-                count("unreadable", f"device={device.name} path={ports_dir} error={exc.strerror}")
-                if not _blind(exc):
-                    return [], None
-                raise _Unreadable(f"{exc.strerror} listing its ports") from None
+                count("unreadable", f"device={device.name} path={ports_dir} error={errno_text(exc)}")
+                raise _Unreadable(f"{errno_text(exc)} listing its ports") from None
             ports = tuple(_Port(port, port_dir, None) for port, port_dir in numbered[:MAX_PORTS])
         samples = []
         listed: list[_Port] = []
@@ -406,27 +389,24 @@ class EfaSource:
                 timestamp=now,
             ))
         self._check_present(device)
-        if cached or listing is None or any(p.counters is None for p in listed):
-            return samples, layout if cached else None
-        return samples, _Layout(listing, tuple(listed))
+        return samples, layout if layout is not None else _Layout(listing, tuple(listed))
 
     def _read_counters(self, device: _EfaDevice, directory: str, listing: Listing | None, cached: bool,
-                       count: Callable[[str, str], None]) -> tuple[dict[str, int], Listing | None]:
-        """The counters in ``directory`` and its listing (None when it could not be listed)."""
-        if not cached:
+                       count: Callable[[str, str], None]) -> tuple[dict[str, int], Listing]:
+        """The counters in ``directory`` and its listing; raises ``_Unreadable`` when it cannot be
+        listed, or not one of its counters read."""
+        if listing is None:
             try:
                 entries = sorted(e.name for e in self._list(directory))[:MAX_COUNTER_FILES]
             except FileNotFoundError:
                 self._check_present(device)
                 return {}, ()  # this driver keeps no counters here
             except OSError as exc:
-                count("unreadable", f"device={device.name} path={directory} error={exc.strerror}")
-                if not _blind(exc):
-                    return {}, None
-                raise _Unreadable(f"{exc.strerror} listing {os.path.basename(directory)}") from None
+                count("unreadable", f"device={device.name} path={directory} error={errno_text(exc)}")
+                raise _Unreadable(f"{errno_text(exc)} listing {os.path.basename(directory)}") from None
             listing = tuple((name, os.path.join(directory, name)) for name in entries)
         counters: dict[str, int] = {}
-        failed: list[str] = []  # counter files that answered an error that hides the device
+        failed: list[str] = []  # counter files that answered an error (any but ENOENT)
         attempted = 0
         for name, path in listing:
             if name in EFA_NOT_COUNTERS:
@@ -444,9 +424,8 @@ class EfaSource:
                 count("unreadable", f"device={device.name} file={path} vanished")
                 continue
             except OSError as exc:
-                count("unreadable", f"device={device.name} file={path} error={exc.strerror}")
-                if _blind(exc):
-                    failed.append(exc.strerror or str(exc))
+                count("unreadable", f"device={device.name} file={path} error={errno_text(exc)}")
+                failed.append(errno_text(exc))
                 continue
             value = parse_counter(raw)
             if value is None:
@@ -454,7 +433,7 @@ class EfaSource:
                 continue
             counters[name] = value
         if failed and len(failed) == attempted:
-            # Not one counter could be read (EIO from every file): the device answers nothing.
+            # Not one counter could be read (EIO, EACCES, EISDIR... from every file): nothing is seen.
             raise _Unreadable(f"{failed[0]} reading every counter in {os.path.basename(directory)}")
         return counters, listing
 
@@ -467,22 +446,23 @@ class EfaSource:
             self._check_present(device)
             return ""
         except OSError as exc:
-            count("unreadable", f"device={device.name} file={path} error={exc.strerror}")
+            count("unreadable", f"device={device.name} file={path} error={errno_text(exc)}")
             return ""
 
     def _check_present(self, device: _EfaDevice) -> None:
         """After an ENOENT: if the whole device is gone, stop reading it (it is not an error). Only
-        ENOENT (or a file where its directory was) says gone; a device whose directory cannot be
-        looked at (EACCES, EIO) is unobserved, never taken for gone."""
+        ENOENT says gone; a device whose directory cannot be looked at (EACCES, EIO, ELOOP,
+        ENOTDIR) or is no directory now is unobserved, never taken for gone: the kernel removes a
+        device's directory, it never leaves something else in its place."""
         try:
             self._touch(device.path)
-            gone = not stat.S_ISDIR(os.stat(device.path).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            gone = True
+            is_dir = stat.S_ISDIR(os.stat(device.path).st_mode)
+        except FileNotFoundError:
+            raise _Vanished(device.name) from None
         except OSError as exc:
-            raise _Unreadable(f"{exc.strerror} looking at its directory") from None
-        if gone:
-            raise _Vanished(device.name)
+            raise _Unreadable(f"{errno_text(exc)} looking at its directory") from None
+        if not is_dir:
+            raise _Unreadable("its directory is not a directory now")
 
 
 def _blind_detail(devices: int, unobserved: dict[str, str]) -> str:
@@ -490,6 +470,11 @@ def _blind_detail(devices: int, unobserved: dict[str, str]) -> str:
     names = sorted(unobserved, key=natural_key)
     shown = ", ".join(f"{n} ({unobserved[n]})" for n in names[:4]) + (f" and {len(names) - 4} more"
                                                                        if len(names) > 4 else "")
+    if any(unobserved[n].startswith(("EACCES", "EPERM")) for n in names):
+        fix = ("the agent needs read access to /sys/class/infiniband (run it as root with CAP_DAC_OVERRIDE, "
+               "or privileged)")
+    else:  # ELOOP, ENOTDIR, EISDIR: the kernel makes none of these; EIO: the driver does not answer
+        fix = ("sysfs under /sys/class/infiniband is not as the kernel makes it, or the driver does not "
+               "answer: look at those paths on the host")
     return (f"{devices} EFA devices read; {len(names)} could not be read, so they are unobserved (not "
-            f"missing): {shown}; the agent needs read access to /sys/class/infiniband (run it as root with "
-            f"CAP_DAC_OVERRIDE, or privileged)")
+            f"missing): {shown}; {fix}")

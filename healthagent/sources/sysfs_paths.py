@@ -5,6 +5,8 @@
 never climbs above it, so a hostile or broken link cannot make the agent read outside it.
 ``device_identity`` tells one registered device from the next at the same name (a driver reload
 or hot plug gives a new inode generation), which is what lets a reader cache what a device is.
+``errno_text`` words an error with its errno name, so a log line or health detail says exactly
+which error made a part unobserved (ELOOP and EACCES call for different fixes).
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ def resolve_in_root(root: str, path: str, touch: FaultHook | None = None) -> str
         parts = [p for p in target.split("/") if p not in ("", ".")]
         pending.extend(reversed(parts))
     return os.path.join(root, *resolved)
+
+
+def errno_text(exc: OSError) -> str:
+    """``exc`` as its errno name and the system's words: ``ELOOP: Too many levels of symbolic
+    links``; only the words (or the message) when it carries no errno."""
+    reason = exc.strerror or str(exc)
+    name = errno.errorcode.get(exc.errno) if isinstance(exc.errno, int) else None
+    return f"{name}: {reason}" if name else reason
 
 
 def device_identity(class_entry: str, device_dir: str) -> tuple:

@@ -3,9 +3,11 @@
 Each example writes a small ``sys/`` tree: devices that are real EFAs (the right PCI vendor and
 device id, bound to ``efa``) with counter files holding random bytes, devices that are something
 else (another vendor, another driver, unbound), dangling and looping links, links that try to
-leave the host root, directories and FIFOs where files belong. ``EfaSource.collect`` must never
-raise, report exactly the EFA devices, exactly the counter files that hold a u64 (the others
-counted as parse errors), and never read outside the root.
+leave the host root, directories and FIFOs where files belong, a file where a directory belongs.
+``EfaSource.collect`` must never raise, report exactly the EFA devices, exactly the counter files
+that hold a u64 (the others counted as parse errors), and never read outside the root. A device
+that cannot be seen (a looping link, a file in place of its ports directory, not one counter file
+of a directory readable) is named unobserved, never left out as if it were gone.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ counter_bytes = st.one_of(
 )
 kind = st.sampled_from(["efa", "efa", "efa", "other-vendor", "other-driver", "unbound"])
 oddity = st.sampled_from(["none", "none", "dir-for-file", "fifo-for-file", "dangling-class-link",
-                          "looping-class-link", "escaping-device-link", "no-ports", "bad-name"])
+                          "looping-class-link", "looping-device-link", "file-for-ports", "escaping-device-link",
+                          "no-ports", "bad-name"])
+UNOBSERVED = "unobserved"  # what ``build`` answers for a device the reader must name unobserved
 device = st.tuples(kind, st.dictionaries(st.sampled_from(COUNTERS), counter_bytes, min_size=1, max_size=5),
                    st.dictionaries(st.sampled_from(COUNTERS), counter_bytes, max_size=3), oddity)
 
@@ -48,8 +52,9 @@ def u64(raw: bytes) -> int | None:
     return value if value <= MAX_COUNTER_VALUE else None
 
 
-def build(root: Path, n: int, spec) -> tuple[str, dict[str, int] | None]:
-    """Write device ``n``; (its name, the counters an EFA reader must report, or None: not reported)."""
+def build(root: Path, n: int, spec) -> tuple[str, dict[str, int] | str | None]:
+    """Write device ``n``; (its name, the counters an EFA reader must report, None: not reported,
+    or ``UNOBSERVED``)."""
     what, port_counters, device_counters, odd = spec
     name = f"rdmap{n}s0"
     pci = f"0000:{0x10 + n:02x}:00.0"
@@ -75,6 +80,8 @@ def build(root: Path, n: int, spec) -> tuple[str, dict[str, int] | None]:
         os.unlink(victim)
         if odd == "dir-for-file":
             victim.mkdir()
+            if len(port_counters) == 1 and what == "efa":
+                return name, UNOBSERVED  # not one counter of the port's directory can be read (EISDIR)
         else:
             os.mkfifo(victim)
         readable["port"].pop(victim.name, None)
@@ -82,10 +89,22 @@ def build(root: Path, n: int, spec) -> tuple[str, dict[str, int] | None]:
         class_link.unlink()
         class_link.symlink_to("../../devices/nowhere")
         return name, None
-    elif odd == "looping-class-link":
+    elif odd == "looping-class-link":  # ELOOP: whether it is an EFA at all cannot be seen
         class_link.unlink()
         class_link.symlink_to(name)
-        return name, None
+        return name, UNOBSERVED
+    elif odd == "looping-device-link":
+        os.unlink(device_dir / "device")
+        os.symlink("loop-a", device_dir / "loop-b")
+        os.symlink("loop-b", device_dir / "loop-a")
+        os.symlink("loop-a", device_dir / "device")
+        return name, UNOBSERVED
+    elif odd == "file-for-ports":  # ENOTDIR listing the ports
+        import shutil
+
+        shutil.rmtree(device_dir / "ports")
+        (device_dir / "ports").write_text("not a directory\n")
+        return name, UNOBSERVED if what == "efa" else None
     elif odd == "escaping-device-link":
         os.unlink(device_dir / "device")
         os.symlink("../../../../../../../../../../../../../../sys/bus/pci/devices/0000:00:00.0", device_dir / "device")
@@ -108,9 +127,12 @@ def test_random_sysfs_trees(devices):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "root"
         wanted = {}
+        unobserved = []
         for n, spec in enumerate(devices):
             name, counters = build(root, n, spec)
-            if counters is not None:
+            if counters == UNOBSERVED:
+                unobserved.append(name)
+            elif counters is not None:
                 wanted[name] = counters
         source = EfaSource(str(root))
         result = source.collect(1_700_000_000.0)
@@ -121,5 +143,6 @@ def test_random_sysfs_trees(devices):
     for sample in result.efa:
         assert sample.port == 1 and sample.pci_bus_id
         assert all(isinstance(v, int) and 0 <= v <= MAX_COUNTER_VALUE for v in sample.counters.values())
-    assert result.health.up
+    assert result.health.unobserved == again.health.unobserved == tuple(unobserved)
+    assert result.health.up is not unobserved
     assert "exception" not in result.health.errors

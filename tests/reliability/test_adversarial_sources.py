@@ -147,6 +147,38 @@ def test_check_without_cap_dac_override_on_unreadable_efa_directories_takes_no_n
 
 
 @pytest.mark.integration
+def test_check_on_looping_efa_links_names_efa_unobserved_and_takes_no_node_action(demo):
+    """The real ``healthagent check`` on a host root where one EFA class entry is a looping link and
+    another device's ``device`` link leads into a loop: ELOOP hides the devices, it never shows them
+    gone, so the command exits 0 or 1 (never 2) and names EFA unobserved."""
+    looping, loop_behind = demo.efa_devices[3], demo.efa_devices[4]
+    class_link = demo.root / "sys" / "class" / "infiniband" / looping
+    class_link.unlink()
+    class_link.symlink_to("loop-a")
+    os.symlink("loop-b", class_link.parent / "loop-a")
+    os.symlink("loop-a", class_link.parent / "loop-b")
+    behind = demo.efa_device_dir(loop_behind)
+    os.symlink("loop-d", behind / "loop-c")
+    os.symlink("loop-c", behind / "loop-d")
+    os.unlink(behind / "device")
+    os.symlink("loop-c", behind / "device")
+    argv = [sys.executable, "-m", "healthagent", "check", "--host-root", str(demo.root), "--no-nvml",
+            "--expected-efa-devices", "32"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(argv + ["--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    report = json.loads(done.stdout)
+    efa = next(s for s in report["sources"] if s["source"] == "efa")
+    assert done.returncode in (0, 1), done.stderr
+    assert report["verdict"] == "none" and not [f for f in report["findings"] if f["code"] == "EFA_DEVICE_MISSING"]
+    assert "efa" in report["unobserved"]
+    assert efa["up"] is False and set(efa["unobserved"]) == {looping, loop_behind, "loop-a", "loop-b"}
+    assert "ELOOP" in efa["detail"] and len(report["efa_devices"]) == 30
+    text = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert text.returncode in (0, 1), text.stdout + text.stderr
+    assert "EFA devices could not be observed" in text.stdout and "not observed: efa" in text.stdout
+
+
+@pytest.mark.integration
 def test_the_running_agent_takes_no_node_action_for_an_efa_device_it_may_not_read(demo, fake, start_agent):
     runtime = start_agent(efa_interval_seconds=0.1)
     wait_warm(runtime)

@@ -7,7 +7,7 @@ import errno
 
 import pytest
 
-from healthagent.sources.sysfs_paths import device_identity, resolve_in_root
+from healthagent.sources.sysfs_paths import device_identity, errno_text, resolve_in_root
 
 
 @pytest.mark.parametrize("target, expected", [
@@ -29,6 +29,21 @@ def test_resolve_in_root_stops_link_loops(tmp_path):
     with pytest.raises(OSError) as info:
         resolve_in_root(str(tmp_path), "x")
     assert info.value.errno == errno.ELOOP
+
+
+def test_a_file_on_the_way_is_enotdir(tmp_path):
+    (tmp_path / "ports").write_text("not a directory\n")
+    with pytest.raises(NotADirectoryError):
+        resolve_in_root(str(tmp_path), "ports/1")
+
+
+@pytest.mark.parametrize("exc, text", [
+    (OSError(errno.ELOOP, "Too many levels of symbolic links"), "ELOOP: Too many levels of symbolic links"),
+    (PermissionError(errno.EACCES, "Permission denied", "/x"), "EACCES: Permission denied"),
+    (OSError("no errno at all"), "no errno at all"),
+])
+def test_errno_text_names_the_errno(exc, text):
+    assert errno_text(exc) == text
 
 
 def test_a_link_that_points_outside_is_read_inside_the_root(tmp_path):
