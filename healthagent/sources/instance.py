@@ -16,7 +16,10 @@ table's EFA count is applied only when ``efa_expected_from_instance_type`` is on
 attach every interface, as AWS's P5 guidance and HyperPod do); otherwise a vanished device is
 still caught, and ``expected_efa_devices`` states the count. Explicit settings always win. An unknown or
 unreadable instance type (Xen instances say ``HVM domU``, other clouds their own names) leaves the
-expectation unknown (None), as without this module.
+expectation unknown (None), as without this module: what cannot be read never sets an expectation
+a node could then fall short of. A file that is not there (ENOENT) is a host without DMI and says
+nothing; any other error (EACCES, ELOOP, EISDIR, EIO) is logged with its errno, since it hides an
+instance type that may well be there.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import re
 from importlib import resources
 
 from healthagent.sources.base import host_path
+from healthagent.sources.sysfs_paths import errno_text
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +43,15 @@ _INSTANCE_TYPE = re.compile(r"[a-z][a-z0-9-]*\.[a-z0-9-]+")
 
 def read_instance_type(host_root: str) -> str | None:
     """The EC2 instance type the host's firmware names, or None (not EC2 Nitro, or unreadable)."""
+    path = host_path(host_root, PRODUCT_NAME)
     try:
-        with open(host_path(host_root, PRODUCT_NAME), "rb") as fh:
+        with open(path, "rb") as fh:
             text = fh.read(MAX_READ_BYTES).decode("ascii", errors="replace").strip()
-    except OSError:
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("instance type unreadable path=%s error=%s: the expected inventory stays unknown "
+                    "(unobserved, never a count to fall short of)", path, errno_text(exc))
         return None
     return text if _INSTANCE_TYPE.fullmatch(text) else None
 

@@ -51,6 +51,36 @@ def test_an_unreadable_product_name_is_unknown(tmp_path):
     assert read_instance_type(root) is None
 
 
+def loop(path) -> None:
+    """The file's path is a pair of links that name each other (ELOOP)."""
+    path.parent.mkdir(parents=True)
+    (path.parent / "other").symlink_to(path.name)
+    path.symlink_to("other")
+
+
+def file_on_the_way(path) -> None:
+    """A file where a directory of the path belongs (ENOTDIR)."""
+    path.parent.parent.mkdir(parents=True)
+    path.parent.write_text("not a directory\n")
+
+
+@pytest.mark.parametrize("breaks, errno_name", [(loop, "ELOOP"), (file_on_the_way, "ENOTDIR")])
+def test_a_product_name_hidden_by_an_error_is_unknown_and_logged_with_its_errno(tmp_path, caplog, breaks,
+                                                                                 errno_name):
+    root = host(tmp_path, None)
+    breaks(tmp_path / "host" / PRODUCT_NAME.lstrip("/"))
+    with caplog.at_level("WARNING", logger="healthagent.sources.instance"):
+        assert read_instance_type(root) is None
+        assert resolve_expected(root, None, None, efa_from_table=True) == (None, None)
+    assert any(errno_name in r.getMessage() for r in caplog.records)
+
+
+def test_no_product_name_at_all_is_not_logged(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="healthagent.sources.instance"):
+        assert read_instance_type(host(tmp_path, None)) is None
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize("configured, resolved", [
     ((None, None), (8, 32)),   # nothing configured: the instance type's counts
     ((7, None), (7, 32)),      # explicit settings always win, each on its own

@@ -417,7 +417,9 @@ def test_a_directory_is_not_a_kernel_log(host):
     ("/var/log/kern.log", PermissionError(errno.EACCES, "Permission denied"), False,
      "permission denied reading /var/log/kern.log (Permission denied)"),
     ("/var/log/kern.log", OSError(errno.EIO, "Input/output error"), False,
-     "cannot read /var/log/kern.log: Input/output error"),
+     "cannot read /var/log/kern.log: EIO: Input/output error"),
+    ("/var/log/kern.log", OSError(errno.ELOOP, "Too many levels of symbolic links"), False,
+     "cannot read /var/log/kern.log: ELOOP: Too many levels of symbolic links"),
 ])
 def test_unreadable_details_say_what_to_do(path, exc, device, expected):
     assert describe_unreadable(path, exc, device) == expected

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 
 from healthagent.sources.kernel_log.reader import DEFAULT_KMSG
+from healthagent.sources.sysfs_paths import errno_text
 
 
 # -- the input in use -----------------------------------------------------------------------------
@@ -53,7 +54,7 @@ def describe_unreadable(path: str, exc: OSError, device: bool) -> str:
                     f"CAP_SYSLOG (kernel.dmesg_restrict) and device access; run the agent's container "
                     f"privileged or add CAP_SYSLOG, with the host's /dev/kmsg mounted")
         return f"permission denied reading {path} ({reason})"
-    return f"cannot read {path}: {reason}"
+    return f"cannot read {path}: {errno_text(exc)}"  # ELOOP, EIO, ENOTDIR: the errno names the fault
 
 
 def describe_device_refusal(path: str, exc: OSError) -> str:
