@@ -205,3 +205,27 @@ def test_dashboard_names_are_dns_labels(generator, file_name, expected):
 def test_a_dashboard_name_without_letters_is_refused(generator):
     with pytest.raises(generator.GenerateError, match="rename it"):
         generator.dashboard_name(Path("__.json"))
+
+
+def test_runbook_base_prefixes_every_runbook_path_and_nothing_else(tmp_path):
+    base = "https://git.example.com/you/healthagent/blob/v0.1.0/"
+    result = run_generator("--runbook-base", base, "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    written = yaml.safe_load((tmp_path / "prometheusrule.yaml").read_text(encoding="utf-8"))["spec"]["groups"]
+    source = yaml.safe_load(RULES.read_text(encoding="utf-8"))["groups"]
+    for group, original in zip(written, source, strict=True):
+        for rule, before in zip(group["rules"], original["rules"], strict=True):
+            if "runbook_url" in before.get("annotations", {}):
+                assert before["annotations"]["runbook_url"].startswith("docs/")
+                rule["annotations"]["runbook_url"] = rule["annotations"]["runbook_url"].removeprefix(base)
+            assert rule == before
+    assert run_generator("--check", "--runbook-base", base, "--out", str(tmp_path)).returncode == 0
+    assert run_generator("--check", "--out", str(tmp_path)).returncode == 1  # the committed paths differ
+
+
+@pytest.mark.parametrize("base", ["docs", "https://git.example.com/you/healthagent", "file:///srv/docs/"])
+def test_runbook_base_must_be_an_http_url_ending_in_a_slash(base, tmp_path):
+    result = run_generator("--runbook-base", base, "--out", str(tmp_path))
+    assert result.returncode == 2
+    assert "give an http(s) URL ending in '/'" in result.stderr
+    assert not (tmp_path / "prometheusrule.yaml").exists()
