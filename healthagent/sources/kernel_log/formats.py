@@ -12,6 +12,13 @@ parser (which needs the message and its time) take them apart the same way. The 
   short, short-precise, short-iso(-precise), short-full, short-unix and short-monotonic outputs,
   and syslog files (``Nov 20 10:11:12 host kernel: ...``, ISO-8601 RFC 5424 stamps, rsyslog's
   ``#012`` for an embedded newline). ``syslog(2)``'s READ_ALL text is dmesg's ``-r`` form.
+
+**Who wrote it.** A record's priority is facility * 8 + level (``PRI`` of a /dev/kmsg record, the
+``<N>`` of dmesg ``-r`` and READ_ALL, the first name of dmesg ``-x``). Only the kernel logs with
+facility 0 (``LOG_KERN``): the kernel gives anything user space writes to /dev/kmsg another
+facility (``LOG_USER`` unless the writer names one), so ``from_kernel`` tells the driver's reports
+from text any process wrote. A line that names no priority (kern.log, journalctl -k) says nothing
+either way: those formats hold the kernel's messages only and are read as before.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ from healthagent.common import ErrorTally
 # A syslog stamp up to this far ahead of ``now`` is clock skew, not last year's line.
 FUTURE_SKEW_SECONDS = 86_400.0
 
+# The kernel's own facility (LOG_KERN): a priority's facility is priority >> 3.
+KERNEL_FACILITY = 0
+# The other facilities as dmesg -x names them (util-linux's facility names, but "kern").
+_OTHER_FACILITIES = frozenset({"user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron",
+                               "authpriv", "ftp", *(f"local{n}" for n in range(8))})
 # /dev/kmsg record header; extra fields after FLAGS (``caller=T123``) are ignored.
 _KMSG_HEAD = re.compile(r"(\d{1,4}),(\d{1,20}),(\d{1,20}),[^;,]*(?:,[^;]*)?;")
 # A /dev/kmsg dictionary (continuation) line: " SUBSYSTEM=pci", " DEVICE=+pci:0000:53:00.0".
@@ -33,8 +45,8 @@ _KMSG_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
 # Everything a log tool puts before the kernel's message. All parts optional, so it always matches.
 _PREFIX = re.compile(
-    r"\s*(?:<\d{1,3}>)?"                                    # dmesg -r / raw syslog priority
-    r"(?:[a-z]{2,8}\s*:[a-z]{2,8}\s*:\s)?"                  # dmesg -x "kern  :err   : "
+    r"\s*(?:<(?P<pri>\d{1,3})>)?"                           # dmesg -r / raw syslog priority
+    r"(?:(?P<fac>[a-z]{2,8}[0-7]?)\s*:[a-z]{2,8}\s*:\s)?"    # dmesg -x "kern  :err   : "
     r"(?:"
     r"\[\s*(?P<mono>\d+\.\d+)\]"                             # dmesg, journalctl -o short-monotonic
     r"|\[(?P<ctime>[A-Z][a-z]{2} +[A-Z][a-z]{2} +\d{1,2} +\d{1,2}:\d\d:\d\d +\d{4})\]"  # dmesg -T
@@ -58,11 +70,13 @@ _MONTHS = {m: i for i, m in enumerate(
 @dataclass(frozen=True, slots=True)
 class KmsgHeader:
     """A /dev/kmsg record's header: its sequence number (restarts every boot), its stamp
-    (microseconds since boot) and where its message starts in the line."""
+    (microseconds since boot), where its message starts in the line and its facility (0: the
+    kernel's; anything else was written from user space)."""
 
     seq: int
     usec: int
     end: int
+    facility: int = KERNEL_FACILITY
 
 
 def kmsg_header(line: str) -> KmsgHeader | None:
@@ -70,7 +84,8 @@ def kmsg_header(line: str) -> KmsgHeader | None:
     head = _KMSG_HEAD.match(line)
     if head is None:
         return None
-    return KmsgHeader(seq=int(head.group(2)), usec=int(head.group(3)), end=head.end())
+    return KmsgHeader(seq=int(head.group(2)), usec=int(head.group(3)), end=head.end(),
+                      facility=int(head.group(1)) >> 3)
 
 
 def is_kmsg_dictionary_line(line: str) -> bool:
@@ -93,6 +108,15 @@ def text_prefix(line: str) -> re.Match[str]:
     prefix = _PREFIX.match(line)
     assert prefix is not None  # every part is optional
     return prefix
+
+
+def from_kernel(prefix: re.Match[str]) -> bool:
+    """Whether a text line's prefix leaves it the kernel's: False when it names a priority of
+    another facility (``<12>``: user) or dmesg ``-x`` names another facility (``user  :warn  :``);
+    True when it names the kernel's or none at all."""
+    if (priority := prefix.group("pri")) and int(priority) >> 3 != KERNEL_FACILITY:
+        return False
+    return prefix.group("fac") not in _OTHER_FACILITIES
 
 
 def prefix_time(prefix: re.Match[str], boot_time: float, now: float) -> float | None:

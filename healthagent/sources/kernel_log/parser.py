@@ -19,6 +19,12 @@ another GPU's line). NVIDIA's catalog gives "fallen off the bus" XID 79, so thos
 (``NVRM: GPU dddd:bb:dd.f: RmInitAdapter failed! (0x62:0xffff:1863)``; older drivers leave out
 the address) is ``kind="init_failed"`` (``xid`` 0: it is not an XID).
 
+Only the kernel's records are reports. A record of another facility (``formats.from_kernel``:
+``12,...;`` or ``<12>`` is LOG_USER, what any process that may write /dev/kmsg gets) that quotes
+an XID is ignored and counted ``not_kernel_facility``: anyone who can write the kernel log could
+otherwise make the agent replace a node. Only records the pre-filter lets through are counted (the
+ones that look like a report), not every message systemd and friends write there.
+
 An XID number is at most nine digits (the driver prints a 32-bit code; NVIDIA's catalog stops at
 three digits): a longer one is malformed, counted ``parse`` and reported as nothing, never cut.
 
@@ -38,6 +44,8 @@ from typing import Iterable, Iterator, Sequence
 from healthagent.model import FALLEN_OFF_BUS_XID, INIT_FAILED, XidEvent, canonical_pci_bus_id
 from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.formats import (
+    KERNEL_FACILITY,
+    from_kernel,
     is_kmsg_dictionary_line,
     kmsg_header,
     prefix_time,
@@ -177,6 +185,8 @@ class XidLineParser:
         try:
             head = kmsg_header(raw)
             if head is not None:
+                if head.facility != KERNEL_FACILITY:
+                    return self._not_kernel(raw, f"facility {head.facility}")
                 seq: int | None = head.seq
                 timestamp: float | None = self.boot_time + head.usec / 1e6
                 message = raw[head.end:]
@@ -186,6 +196,9 @@ class XidLineParser:
                 if is_kmsg_dictionary_line(raw):
                     return None  # a /dev/kmsg dictionary line, never a report
                 prefix = text_prefix(raw)
+                if not from_kernel(prefix):
+                    return self._not_kernel(raw, f"priority <{prefix.group('pri')}>" if prefix.group("pri")
+                                            else f"facility {prefix.group('fac')}")
                 if prefix.group("pid") and prefix.group("tag") != "kernel":
                     return None  # a user-space program's syslog line quoting an XID, not the driver
                 seq = None
@@ -207,6 +220,11 @@ class XidLineParser:
                 and event.timestamp < self.earlier_boot_before):
             event = replace(event, previous_boot=True)  # a kmsg record (seq) is always this boot's
         return event
+
+    def _not_kernel(self, raw: str, which: str) -> None:
+        """A record user space wrote (not facility 0): never a report, counted."""
+        self.tally.count("not_kernel_facility", f"a record of {which}, not the kernel's, ignored: {raw[:300]!r}")
+        return None
 
     # -- reports ------------------------------------------------------------------------------------
 

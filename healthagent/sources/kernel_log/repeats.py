@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from healthagent.model import XidEvent
+from healthagent.sources.kernel_log.formats import KERNEL_FACILITY
 
 # First reports of one (kind, XID, GPU) per read that are handed over as they are.
 REPEATS_KEPT = 8
@@ -39,18 +40,22 @@ def event_key(event: XidEvent) -> EventKey:
 
 def record_key(line: str, max_chars: int) -> str | None:
     """The XID text of a /dev/kmsg record line (``Xid (PCI:0000:53:00): 13``, up to the comma
-    after it), or None when the line must be parsed in full (no record header, escaped text, an
-    SXid, an XID text before the message, an overlong line). String searches only: this runs once
-    per line of a storm. A key only folds a line once a line with the same key was parsed in full
-    (``RepeatFolder.fold``), so two lines with the same key are the same report to the parser."""
+    after it), or None when the line must be parsed in full (no record header, a record of another
+    facility than the kernel's, escaped text, an SXid, an XID text before the message, an overlong
+    line). String searches only: this runs once per line of a storm. A key only folds a line once
+    a line with the same key was parsed in full (``RepeatFolder.fold``), so two lines with the same
+    key are the same report to the parser."""
     semi = line.find(";")
     if semi <= 0 or len(line) > max_chars or not line[0].isdigit() or line.find(" ", 0, semi) >= 0:
         return None
+    comma = line.find(",", 0, semi)
+    if comma <= 0 or not line[:comma].isdigit() or int(line[:comma]) >> 3 != KERNEL_FACILITY:
+        return None  # user space's record: parsed (and ignored) in full, never folded into the driver's
     at = line.find("Xid", semi)
     if at < 0 or line[at - 1] == "S" or "\\x" in line:
         return None
-    comma = line.find(",", at)
-    return line[at:comma] if comma > 0 else None
+    end = line.find(",", at)
+    return line[at:end] if end > 0 else None
 
 
 @dataclass
