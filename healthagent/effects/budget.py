@@ -24,14 +24,15 @@ budget.
 
 A slot comes back when its holder's node loses the taint (healed, cleared) or no longer has a
 disruptive step ahead, or is deleted. A holder that cannot give it back (its agent is gone with
-its node) is *stale*, and an agent that finds every slot held may reclaim one stale slot per
-decision, after one GET of that holder's node: stale means the node is gone (404), or it has
-carried no taint of the agent's for ``SLOT_GRACE_SECONDS`` of the judging agent's own clock since it first saw the slot at its current version, never by the times the holder wrote (a slot
-is taken a moment BEFORE the node's taint lands, so a young slot without the taint is a decision
-in flight, not a leak). Right after its first node write with a new slot lands, the holder
-rewrites its slot (``renewTime``), and a reclaim that read the slot before that write fails with a
-409; a holder whose rewrite fails because its slot was reclaimed goes back to NoSchedule. So even
-a reclaim racing a slow holder never leaves two disruptive nodes on one slot.
+its node), a forged holder and a second slot in one node's name are taken back by the agents it
+holds back, under the rule in ``effects/budget_reclaim.py``: judged by the holder's Node and by
+how long the judging agent has seen the slot unchanged on its own clock, never by the times the
+holder wrote (a slot is taken a moment BEFORE the node's taint lands, so a young slot without
+the taint is a decision in flight, not a leak). Right after its first node write with a new slot
+lands, the holder rewrites its slot (``renewTime``), and a reclaim that read the slot before that
+write fails with a 409; a holder whose rewrite fails because its slot was reclaimed goes back to
+NoSchedule, and right before its disruptive step a holder reads its slot once more. So even a
+reclaim racing a slow holder never leaves two disruptive nodes on one slot.
 
 The fraction needs the number of GPU nodes. Counting them on every decision is what made the old
 budget cost a whole node list per agent; here the count is shared: one more Lease,
@@ -40,7 +41,9 @@ when counted) for the whole fleet. One agent re-counts when it is older than
 ``COUNT_MAX_AGE_SECONDS`` (claiming the re-count first with a guarded write, so a thousand agents
 that find it old at once count once), using a server-side Table of the selected nodes without
 their objects (a few hundred bytes a node instead of ~10 kB). Until a count exists, the limit is
-the smallest one (1, or ``budget_max_nodes`` when that is 0).
+the smallest one (1, or ``budget_max_nodes`` when that is 0). Any node can write the shared
+count, so an agent takes a slot past the smallest limit only under a count of its own
+(``BudgetGuard``): an inflated count opens no slot, and a wrong one is re-written.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ SCOPE_LABEL = "healthagent.io/budget-scope"  # a scoped budget's id, on its Leas
 SCOPE_ANNOTATION = "healthagent.io/budget-scope-value"  # the label=value it counts, for people
 LEASE_LABELS = {"app.kubernetes.io/name": "healthagent", "app.kubernetes.io/part-of": "healthagent"}
 
-SLOT_GRACE_SECONDS = 60.0  # a slot this young without its holder's taint is a decision in flight
+SLOT_GRACE_SECONDS = 45.0  # a slot this young without its holder's taint is a decision in flight
 COUNT_MAX_AGE_SECONDS = 600.0  # the fleet re-counts its GPU nodes when the count is this old
 COUNT_CLAIM_SECONDS = 60.0  # a re-count claimed this recently is someone else's to finish
 RECHECK_JITTER = 0.5  # the next look comes after interval * [1 - j, 1 + j] seconds
@@ -218,9 +221,15 @@ class BudgetView:
         return tuple(s for s in self.slots if s.holder == node_name)
 
     @property
+    def holders(self) -> frozenset[str]:
+        """The nodes holding a slot: a node counts once, however many slots name it."""
+        return frozenset(s.holder for s in self.held)
+
+    @property
     def allows(self) -> bool:
-        """Is there room for one more holder? (Holders of slots past a limit that shrank count.)"""
-        return len(self.held) < self.limit
+        """Is there room for one more holder, and a free slot under the limit to hold? (Holders of
+        slots past a limit that shrank count; a second slot in one node's name does not.)"""
+        return len(self.holders) < self.limit and bool(self.free_indexes())
 
     def free_indexes(self) -> list[int]:
         """Slot indexes under the limit with no holder (a Lease not created yet is free too)."""

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
 from healthagent.effects.backend import AlreadyExists, ApiError, ApiRejected, ApiUnavailable, Conflict
 from healthagent.effects.budget import (
-    SLOT_GRACE_SECONDS,
+    COUNT_MAX_AGE_SECONDS,
     BudgetView,
     Scope,
     Slot,
+    budget_limit,
     claimed_count,
     counted,
     held_lease,
@@ -45,13 +47,13 @@ from healthagent.effects.budget import (
     slot_name,
 )
 from healthagent.effects.budget_leases import LeaseStore
+from healthagent.effects.budget_reclaim import Reclaimer
 from healthagent.effects.node_desired import carries_no_execute, owned_taints
 from healthagent.effects.plan import Budget
 
 log = logging.getLogger(__name__)
 
 TAKE_ATTEMPTS = 4  # writes for a slot per question; each 409 means another node took one
-LIVE_HOLDER_SECONDS = 300.0  # a holder seen with its taint is not looked at again for this long
 
 
 class BudgetGuard:
@@ -59,9 +61,11 @@ class BudgetGuard:
 
     def __init__(self, leases: LeaseStore | None, *, node_name: str, taint_key: str, selector: str,
                  max_fraction: float, max_nodes: int | None, recheck_seconds: float, tally: ErrorTally,
-                 rng: random.Random, scope_label: str = "") -> None:
+                 rng: random.Random, scope_label: str = "", grace_seconds: float = 120.0) -> None:
         """``leases`` None: dry-run (no cluster view). ``scope_label``: count the budget per value
-        of this node label (``Scope``; its value is read from the node at ``startup``)."""
+        of this node label (``Scope``; its value is read from the node at ``startup``).
+        ``grace_seconds``: the grace before a disruptive step, which a holder may not pass
+        without taking it (``effects/budget_reclaim.py``)."""
         self._store = leases
         self.scope = Scope(scope_label)
         self._node = node_name
@@ -79,11 +83,9 @@ class BudgetGuard:
         self._count_due = False  # the shared count is old: re-count after this reconcile
         self._renew_due = False  # a slot taken (or its re-write failed): re-write it once the node write lands
         self._upkeep_at: float | None = None  # a failed release/re-write/count: not before this
-        self._live: dict[str, tuple[str, float]] = {}  # slot -> (version, until): its holder was live
-        # slot -> (version, since): when this agent first saw the slot at that version, on its
-        # decision clock. A slot's age is judged by what this agent saw, never by the times its
-        # holder wrote (another node's clock, or a forged value).
-        self._first_seen: dict[str, tuple[str, float]] = {}
+        self._reclaim = Reclaimer(node_name, taint_key, grace_seconds, rng)
+        self._verified: tuple[int, float] | None = None  # (GPU nodes, when): this agent's own count
+        self._last_view: BudgetView | None = None
         self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
         self.note = ""  # the last look in words, for the log and the Event
 
@@ -248,81 +250,93 @@ class BudgetGuard:
         view = read_view(store.list(consistent, self.scope.lease_selector), self._counted, self._fraction,
                          self._max_nodes, self.scope)
         self._count_due = self._count_due or view.count is None or view.count.due(self._wall(now))
-        self._note_ages(view, now)
+        self._reclaim.note(view, now)
+        self._last_view = view
         return view
 
     def _wall(self, now: float) -> float:
         """The wall time at decision time ``now``: what a Lease carries for people and peers."""
         return now + self.wall_offset
 
-    def _note_ages(self, view: BudgetView, now: float) -> None:
-        """Remember when each held slot was first seen at its current version (decision clock)."""
-        seen = {}
-        for slot in view.held:
-            version, since = self._first_seen.get(slot.name, ("", now))
-            seen[slot.name] = (slot.version, since if version == slot.version else now)
-        self._first_seen = seen
-
-    def _age(self, slot: Slot, now: float) -> float:
-        """How long this agent has seen ``slot`` unchanged (0 when it has not seen it before)."""
-        version, since = self._first_seen.get(slot.name, ("", now))
-        return max(0.0, now - since) if version == slot.version else 0.0
-
     def _take(self, view: BudgetView, now: float) -> Slot | None:
         """This node's slot: one it holds already, a free one, or a stale one reclaimed (after
         one GET of its holder's node at most); None when every slot is held by a live node."""
         store = self._require_store()
-        judged = False
+        judged, reclaim = False, None
         for _ in range(TAKE_ATTEMPTS):
             mine = view.held_by(self._node)
             if mine:
                 return mine[0]
+            view = self._trusted(view, now)
             if view.allows:
+                reclaim = None
                 index = self._rng.choice(view.free_indexes())
                 existing = view.slot(index)
                 base = existing.lease if existing is not None else new_lease(slot_name(index, self.scope),
                                                                              store.namespace, "slot", self.scope)
                 body = held_lease(base, self._node, self._wall(now), acquired=True)
             else:
-                stale = None if judged else self._stale(view, now)
+                reclaim = None if judged else self._reclaim.pick(view, now, store.node)
                 judged = True
-                if stale is None:
+                if reclaim is None:
                     self.note = view.describe()
                     return None
-                log.warning("effects node=%s budget=reclaim slot=%s holder=%s: the holder's node is gone or "
-                            "carries no taint of the agent's", self._node, stale.name, stale.holder)
-                body = held_lease(stale.lease, self._node, self._wall(now), acquired=True)
+                log.warning("effects node=%s budget=%s slot=%s holder=%s: %s", self._node,
+                            "reclaim" if reclaim.grant else "clear", reclaim.slot.name, reclaim.slot.holder,
+                            reclaim.why)
+                body = held_lease(reclaim.slot.lease, self._node, self._wall(now), acquired=True)
             try:
                 written = store.create(body) if "resourceVersion" not in body["metadata"] else store.replace(body)
             except (Conflict, AlreadyExists):
                 view = self._look(now, consistent=True)  # another node won that slot: look again
+                continue
+            if reclaim is not None and not reclaim.grant:  # past the limit: it grants nothing, give it back
+                self._release(_slot(written, self.scope))
+                view = self._look(now, consistent=True)
+                reclaim = None
                 continue
             self.note = view.describe()
             return _slot(written, self.scope)
         self.note = view.describe()
         return None
 
-    def _stale(self, view: BudgetView, now: float) -> Slot | None:
-        """One held slot this agent has seen unchanged for ``SLOT_GRACE_SECONDS`` (on its own clock,
-        not by the times its holder wrote), judged by a GET of its holder's node: stale when the
-        node is gone or carries no taint of the agent's. A younger slot is not judged at all: it
-        may be a decision in flight, and in a mass failure every slot is young, so the held-back
-        nodes' first looks read no Node (a node deleted right after taking its slot is reclaimed
-        a minute later)."""
-        candidates = [s for s in view.held if s.holder != self._node and not self._seen_live(s, now)
-                      and self._age(s, now) >= SLOT_GRACE_SECONDS]
-        if not candidates:
-            return None
-        slot = self._rng.choice(candidates)
-        holder = self._require_store().node(slot.holder)
-        if holder is not None and owned_taints(holder, self._taint_key):
-            self._live[slot.name] = (slot.version, now + LIVE_HOLDER_SECONDS)
-            return None
-        return slot
+    def _trusted(self, view: BudgetView, now: float) -> BudgetView:
+        """``view`` with a limit this agent can stand behind. The shared count is any node's to
+        write, so a limit above the smallest one (``budget_limit`` of no count) is used only after
+        this agent counted the GPU nodes itself (one server-side Table, at most once per
+        ``COUNT_MAX_AGE_SECONDS``); until a take needs more than the smallest limit, no count is
+        made and the take stays among the smallest limit's slots (and a budget full by the shared
+        count's own limit needs no count: a lower count is the safe direction). A shared count that differs from
+        this agent's is re-written with its own (a forged or stale count heals at the first take
+        that relies on it), counted and logged."""
+        floor = budget_limit(0, self._fraction, self._max_nodes)
+        if view.limit <= floor:
+            return view
+        if self._verified is None or not 0 <= now - self._verified[1] < COUNT_MAX_AGE_SECONDS:
+            if len(view.held) < floor:
+                return replace(view, limit=floor)
+            if not view.allows:
+                return view  # full even by the shared count: nothing rides on it
+            self._verified = (self._require_store().count_nodes(self._counted), now)
+            if view.count is not None and view.count.nodes != self._verified[0]:
+                self._correct_count(view, now)
+        return replace(view, limit=budget_limit(self._verified[0], self._fraction, self._max_nodes))
 
-    def _seen_live(self, slot: Slot, now: float) -> bool:
-        version, until = self._live.get(slot.name, ("", 0.0))
-        return version == slot.version and now < until
+    def _correct_count(self, view: BudgetView, now: float) -> None:
+        """Re-write the shared count with this agent's own (best effort: another writer's 409 or
+        a refusal leaves it to the next re-count)."""
+        assert view.count is not None and self._verified is not None
+        nodes = self._verified[0]
+        log.warning("effects node=%s budget=count_disbelieved shared=%s counted=%d: the shared count "
+                    "differs from the API server's node list; re-writing it", self._node, view.count.nodes, nodes)
+        self._tally.count("budget_count_disbelieved",
+                          f"node={self._node} shared count {view.count.nodes}, the API server lists {nodes}")
+        wall = self._wall(now)
+        try:
+            self._require_store().replace(
+                counted(claimed_count(view.count.lease, self._node, wall), nodes, self._counted, wall))
+        except ApiError as exc:
+            log.info("effects node=%s budget=count_not_corrected: %s", self._node, exc)
 
     def _rolled_back(self, now: float) -> bool:
         log.warning("effects node=%s budget=rollback: its slot was reclaimed before its taint landed; "
@@ -340,6 +354,9 @@ class BudgetGuard:
             return Budget.ALLOWS
         self._holds += 1
         self.recheck_at = now + self._delay()
+        judgement = self._reclaim.next_judgement(self._last_view, now) if self._last_view else None
+        if judgement is not None and judgement < self.recheck_at:
+            self.recheck_at = judgement + self._rng.uniform(0.0, 2.0)  # a leaked slot back as soon as it may
         return Budget.HOLDS
 
     def _renew(self, now: float) -> bool:
@@ -405,6 +422,7 @@ class BudgetGuard:
         except (Conflict, AlreadyExists):
             return  # another agent re-counts
         nodes = store.count_nodes(self._counted)
+        self._verified = (nodes, now)  # this agent's own count, too
         store.replace(counted(claimed, nodes, self._counted, wall))
         log.info("effects node=%s budget=counted gpu_nodes=%d selector=%s", self._node, nodes, self._counted)
 

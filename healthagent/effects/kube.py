@@ -140,7 +140,7 @@ class NodeEffects:
             leases, node_name=self.node_name, taint_key=settings.taint_key,
             selector=settings.budget_node_selector, max_fraction=settings.budget_max_fraction,
             max_nodes=settings.budget_max_nodes, recheck_seconds=budget_recheck_seconds, tally=self._tally,
-            rng=rng, scope_label=settings.budget_scope_label)
+            rng=rng, scope_label=settings.budget_scope_label, grace_seconds=settings.replace_noexecute_grace_seconds)
         self.writer = NodeWriter(self.backend, node_name=self.node_name, tally=self._tally, sleep=sleep, rng=rng,
                                  max_attempts=max_attempts, dry_run=self.dry_run)
         self._verdict: Verdict | None = None

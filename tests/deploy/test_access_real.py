@@ -312,9 +312,9 @@ def taints(world: World, name: str) -> list[dict]:
     return list(world.node(name)["spec"].get("taints") or [])
 
 
-def with_taints(world: World, name: str, edit: Callable[[list[dict]], list[dict]]) -> Any:
+def with_taints(world: World, name: str, edit: Callable[[list[dict]], list[dict]], apis: Apis | None = None) -> Any:
     """The agent's taint write: the whole list (Node taints have no merge key), edited."""
-    return strategic(world, name, {"spec": {"taints": edit(taints(world, name))}})
+    return strategic(world, name, {"spec": {"taints": edit(taints(world, name))}}, apis=apis)
 
 
 def at_taint(world: World, key: str, op: dict) -> list[dict]:

@@ -5,7 +5,8 @@ overlay's RBAC and admission policies (``tests/deploy/test_access_real.py`` buil
 budget counts the two nodes: a limit of one. The agent on A runs ``NodeEffects`` with A's token;
 B's token is the attacker. Whatever B writes, A gets ``NoSchedule`` at once, never more than
 the limit is ``NoExecute``, and a slot B holds without a fault of its own is taken back within
-a minute of A's own observation.
+a minute of A's own observation (a slot B holds under a taint it put on itself: once B has not
+taken its disruptive step within the grace).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from typing import Iterator
 
 import pytest
 
-from healthagent.effects.budget import COUNT_LEASE, held_lease, new_lease, slot_name
+from healthagent.effects.budget import COUNT_LEASE, SLOT_GRACE_SECONDS, counted, held_lease, new_lease, slot_name
 from healthagent.effects.kube import NodeEffects
 from healthagent.effects.state import StateStore
 from tests.deploy.test_access_real import (  # noqa: F401 (access, world: fixtures)
     NAMESPACE,
+    OWN_TAINT,
     World,
     access,
     own_taints,
+    with_taints,
     world,
 )
 from tests.effects.helpers import T0, XID95, settings_for
@@ -58,15 +61,18 @@ def effect_of(world: World) -> str:  # noqa: F811
     return taint["effect"]
 
 
-def take_as_b(world: World, index: int, at: float) -> None:  # noqa: F811
-    """B's token writes slot ``index`` in B's name (a reclaim, as admission must allow)."""
+def take_as_b(world: World, index: int, at: float, holder: str | None = None) -> None:  # noqa: F811
+    """B's token writes slot ``index`` in B's name (a reclaim, as admission must allow); with
+    ``holder``, the administrator writes it in that name (another node's agent did)."""
     name = slot_name(index)
     current = _json(world, name)
+    leases = world.admin.leases if holder else world.agent_b.leases
+    body = held_lease(current if current is not None else new_lease(name, NAMESPACE, "slot"),
+                      holder or world.b, at, acquired=True)
     if current is None:
-        world.agent_b.leases.create_namespaced_lease(NAMESPACE, held_lease(
-            new_lease(name, NAMESPACE, "slot"), world.b, at, acquired=True))
+        leases.create_namespaced_lease(NAMESPACE, body)
     else:
-        world.agent_b.leases.replace_namespaced_lease(name, NAMESPACE, held_lease(current, world.b, at, acquired=True))
+        leases.replace_namespaced_lease(name, NAMESPACE, body)
 
 
 def _json(world: World, name: str) -> dict | None:  # noqa: F811
@@ -77,6 +83,17 @@ def _json(world: World, name: str) -> dict | None:  # noqa: F811
         return None
     reply.raise_for_status()
     return reply.json()
+
+
+def slot_taken(effects: NodeEffects, start: float, until: float) -> float | None:
+    """Reconcile every 5 s of the decision clock from ``start``; the time A first held a slot."""
+    now = start
+    while now <= until:
+        effects.reconcile(XID95, now, "boot-1")
+        if effects.budget.slot is not None:
+            return now
+        now += 5
+    return None
 
 
 def settle(effects: NodeEffects, start: float, until: float, world: World) -> float | None:  # noqa: F811
@@ -102,14 +119,64 @@ def test_a_slot_stolen_with_another_nodes_token_is_confirmed_lost_then_taken_bac
     assert own_taints(world, world.b) == []  # never more than the limit out
 
 
-def test_every_slot_held_by_another_node_forever_is_taken_back(world, agent_a):  # noqa: F811
-    """B's token holds the one slot with a renewTime in 2099: A gets NoSchedule at once and, B
-    having no fault, the slot within a minute of A's own look plus its re-check."""
-    take_as_b(world, 0, 4_070_908_800.0)  # 2099-01-01
+def test_every_slot_held_by_another_node_forever_is_taken_back_within_a_minute(world, agent_a):  # noqa: F811
+    """B's token holds every slot (0..9; the limit is 1) with a renewTime in 2099: A gets
+    NoSchedule at once and, B having no fault, slot 0 within a minute of A's own first look;
+    B's spare slots are cleared, one a look."""
+    for index in range(10):
+        take_as_b(world, index, 4_070_908_800.0)  # 2099-01-01
     agent_a.reconcile(XID95, T0, "boot-1")
     assert effect_of(world) == "NoSchedule"
-    out = settle(agent_a, T0 + 5, T0 + 400, world)
-    assert out is not None and out - T0 <= 60 + 180, out
+    taken = slot_taken(agent_a, T0 + 5, T0 + 300)
+    assert taken is not None and taken - T0 <= 60, taken
+    assert agent_a.budget.slot.index == 0
+    assert settle(agent_a, taken, T0 + 300, world) is not None  # its grace over: A takes its step
+    assert own_taints(world, world.b) == []
+
+
+def test_a_slot_squatted_under_a_self_made_taint_is_taken_back_after_the_grace(world, agent_a):  # noqa: F811
+    """B puts the agent's NoSchedule on itself (its token may) and holds every slot: B counts
+    once, and loses the slot once it has held it past the grace (120 s) without a disruptive
+    step. Never more than one node NoExecute."""
+    with_taints(world, world.b, lambda taints: [*taints, dict(OWN_TAINT)], apis=world.agent_b)
+    for index in range(10):
+        take_as_b(world, index, 4_070_908_800.0)
+    agent_a.reconcile(XID95, T0, "boot-1")
+    assert effect_of(world) == "NoSchedule"
+    taken = slot_taken(agent_a, T0 + 5, T0 + 400)
+    assert taken is not None and 120 + SLOT_GRACE_SECONDS <= taken - T0 <= 120 + 60 + 30, taken
+    assert [t["effect"] for t in own_taints(world, world.b)] == ["NoSchedule"]
+
+
+def test_a_slot_leaked_by_a_deleted_node_with_a_clock_a_day_ahead_is_taken_back(world, agent_a):  # noqa: F811
+    """An agent whose clock ran a day ahead took the one slot; its Node was deleted (the normal
+    end of a replacement). A reclaims it within a minute of its own first look."""
+    gone = f"{world.b}-gone"
+    take_as_b(world, 0, T0 + 86_400, holder=gone)  # no such Node
+    agent_a.reconcile(XID95, T0, "boot-1")
+    assert effect_of(world) == "NoSchedule"
+    taken = slot_taken(agent_a, T0 + 5, T0 + 300)
+    assert taken is not None and taken - T0 <= 60, taken
+
+
+def test_an_inflated_count_opens_no_second_slot(world, agent_a):  # noqa: F811
+    """B takes the one slot and its own NoExecute (its token may: B takes itself out, and that is
+    the limit), then writes 100000 GPU nodes, a limit of 10,000, fresh. A, which has not counted
+    itself since, counts the nodes before it takes a slot past the smallest limit, is held at
+    NoSchedule, and puts the true count back."""
+    with_taints(world, world.b, lambda taints: [*taints, {**OWN_TAINT, "effect": "NoExecute"}], apis=world.agent_b)
+    take_as_b(world, 0, T0)
+    lease = _json(world, COUNT_LEASE)
+    assert lease is not None
+    forged = counted(lease, 2, lease["metadata"]["annotations"]["healthagent.io/node-selector"], T0)
+    forged["metadata"]["annotations"]["healthagent.io/gpu-nodes"] = "100000"
+    forged["spec"]["holderIdentity"] = world.b
+    world.agent_b.leases.replace_namespaced_lease(COUNT_LEASE, NAMESPACE, forged)
+    agent_a.budget._verified = None  # an agent that started after the forgery: it never counted
+    assert settle(agent_a, T0, T0 + 300, world) is None  # never NoExecute: B is the limit
+    assert agent_a.budget.slot is None and effect_of(world) == "NoSchedule"
+    assert agent_a.errors.get("budget_count_disbelieved") == 1
+    assert (_json(world, COUNT_LEASE) or {})["metadata"]["annotations"]["healthagent.io/gpu-nodes"] == "2"
 
 
 def test_a_count_poisoned_before_admission_heals_and_never_stops_the_taint(world, agent_a):  # noqa: F811

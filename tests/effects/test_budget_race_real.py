@@ -227,7 +227,8 @@ def test_a_stale_slot_is_reclaimed_and_a_live_one_is_not(control_plane, unique_n
                                                                 holder, T0 - 600, acquired=True))
         cluster.delete_node(gone)
         effects = start_effects(settings_for(tmp_path, me, budget_node_selector=cluster.budget_selector,
-                                             budget_namespace=namespace, budget_max_nodes=2), cluster)
+                                             budget_namespace=namespace, budget_max_fraction=1.0,
+                                             budget_max_nodes=2), cluster)  # a limit of 2 on 3 nodes
         # the agent's first look: a slot is judged once this agent has seen it unchanged for the grace
         effects.startup(T0 - SLOT_GRACE_SECONDS - 1, "boot-1")
         # each look judges one held slot; a live holder is remembered, so two looks judge both

@@ -1,0 +1,178 @@
+"""Which held budget slot may be taken back: the reclaim rule, judged by the holder, never by its clock.
+
+Any node's credentials can write a slot in its own name (the admission policy refuses any other
+name), so a slot says only who claims it. Whether the claim still stands is judged here, from
+what this agent sees, in this order:
+
+1. **One slot a node.** A node takes its disruptive step under one slot; the agent never takes a
+   second. A holder named by several slots keeps its lowest index; every other slot in its name
+   is a duplicate (a forged claim, or a bug), judged at once with no request.
+2. **Young slots are not judged.** A slot this agent has seen unchanged for less than
+   ``SLOT_GRACE_SECONDS`` of its own decision clock may be a decision in flight: the slot is
+   taken a moment before the holder's taint lands.
+3. **The holder's Node decides** (one GET): the slot is stale when the Node is gone, carries no
+   taint of the agent's, or has carried the taint for longer than the disruptive step's grace
+   (``replace_noexecute_grace_seconds``) plus ``SLOT_GRACE_SECONDS`` without showing any
+   disruptive step (the agent's ``NoExecute``, HyperPod's ``UnschedulablePending*``, a gated
+   vocabulary's condition ``False``): a holder whose agent stopped after its ``NoSchedule``, or a
+   node that tainted itself to squat on a slot.
+
+What a stale slot becomes depends on where it lies. Only a slot under the limit lets its holder
+take the disruptive step (at most ``limit`` such Leases exist, which is what keeps the budget
+exact under a race), so a stale slot under the limit is *taken over* (the judging node holds it
+instead) when that keeps the nodes holding slots within the limit: one holder for another, or a
+duplicate's place while fewer nodes than the limit hold slots. A stale slot past the limit (a
+limit that shrank, a squatter's spare) grants nothing, but its holder still counts against the
+limit: it is *cleared* (taken, then given back at once; the admission policy lets a node give
+back only a Lease in its own name).
+
+The times a holder wrote (``renewTime``, ``acquireTime``) are never used: they are another node's
+clock, or a forged value ("renewTime 2099"). Ages come from when this agent first saw the slot
+at its current ``resourceVersion``, which only the API server assigns.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from healthagent.effects.budget import SLOT_GRACE_SECONDS, BudgetView, Slot
+from healthagent.effects.conditions import VOCABULARIES
+from healthagent.effects.hyperpod import HYPERPOD_HEALTH_LABEL, HYPERPOD_PENDING_REBOOT, HYPERPOD_PENDING_REPLACEMENT
+from healthagent.effects.node_desired import carries_no_execute, labels_of, owned_taints
+
+LIVE_HOLDER_SECONDS = 300.0  # a holder seen taking its disruptive step is not looked at again for this long
+GATED_TYPES = frozenset(t for v in VOCABULARIES.values() if v.gated for t in v.types)
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """A slot to take back, why (in words, for the log line), and whether the judging node keeps
+    it (``grant``: a slot under the limit) or gives it back at once (a slot past the limit)."""
+
+    slot: Slot
+    why: str
+    grant: bool
+
+
+def duplicate_slots(view: BudgetView) -> list[Slot]:
+    """Every slot whose holder holds a lower-indexed one too (``view.slots`` is in index order)."""
+    seen: set[str] = set()
+    extra = []
+    for slot in view.held:
+        if slot.holder in seen:
+            extra.append(slot)
+        seen.add(slot.holder)
+    return extra
+
+
+def shows_disruptive_step(node: Mapping, taint_key: str) -> bool:
+    """Does ``node`` show a disruptive step under any vocabulary the agent writes?"""
+    if carries_no_execute(node, taint_key):
+        return True
+    if labels_of(node).get(HYPERPOD_HEALTH_LABEL) in (HYPERPOD_PENDING_REPLACEMENT, HYPERPOD_PENDING_REBOOT):
+        return True
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(isinstance(c, Mapping) and c.get("type") in GATED_TYPES and c.get("status") == "False"
+               for c in conditions)
+
+
+def holder_verdict(holder: Mapping | None, taint_key: str, seen_for: float, grace_seconds: float) -> str:
+    """Why the slot of ``holder`` (its Node, None when gone) is stale, or "" while it stands.
+    ``seen_for``: how long this agent has seen the slot unchanged."""
+    if holder is None:
+        return "its node is gone"
+    if not owned_taints(holder, taint_key):
+        return "its node carries no taint of the agent's"
+    if seen_for >= grace_seconds + SLOT_GRACE_SECONDS and not shows_disruptive_step(holder, taint_key):
+        return (f"its node has held the slot for {seen_for:.0f} s, past the {grace_seconds:.0f} s grace, "
+                "without taking a disruptive step")
+    return ""
+
+
+class Reclaimer:
+    """Remembers when this agent first saw each held slot, and which holders it found live."""
+
+    def __init__(self, node_name: str, taint_key: str, grace_seconds: float, rng: random.Random) -> None:
+        self._node = node_name
+        self._taint_key = taint_key
+        self._grace = grace_seconds
+        self._rng = rng
+        self._first_seen: dict[str, tuple[str, float]] = {}  # slot -> (version, since), decision clock
+        self._live: dict[str, tuple[str, float]] = {}  # slot -> (version, until): its holder stood
+
+    def note(self, view: BudgetView, now: float) -> None:
+        """Remember when each held slot was first seen at its current version."""
+        seen = {}
+        for slot in view.held:
+            version, since = self._first_seen.get(slot.name, ("", now))
+            seen[slot.name] = (slot.version, since if version == slot.version else now)
+        self._first_seen = seen
+
+    def age(self, slot: Slot, now: float) -> float:
+        """How long this agent has seen ``slot`` unchanged (0 when it has not seen it before)."""
+        version, since = self._first_seen.get(slot.name, ("", now))
+        return max(0.0, now - since) if version == slot.version else 0.0
+
+    def pick(self, view: BudgetView, now: float, read_node: Callable[[str], Mapping | None]) -> Reclaim | None:
+        """One slot to take back, most useful first: a duplicate under the limit (no request), one
+        old-enough slot whose holder's Node (one ``read_node``) says it is stale, a duplicate past
+        the limit; None when every holder stands, or taking a slot would put more nodes than the
+        limit past NoSchedule."""
+        holders = len(view.holders)
+        duplicates = [s for s in self._shuffled(duplicate_slots(view)) if s.holder != self._node]
+        why_duplicate = "its holder holds a lower slot too (one slot a node)"
+        for slot in duplicates:
+            if slot.index < view.limit and holders < view.limit:
+                return Reclaim(slot, why_duplicate, grant=True)
+        judged = self._judge(view, now, read_node, holders)
+        if judged is not None:
+            return judged
+        spare = [s for s in duplicates if s.index >= view.limit]
+        return Reclaim(spare[0], why_duplicate, grant=False) if spare else None
+
+    def _judge(self, view: BudgetView, now: float, read_node: Callable[[str], Mapping | None],
+               holders: int) -> Reclaim | None:
+        """One old-enough slot judged by a GET of its holder's Node."""
+        candidates = [s for s in view.held if s.holder != self._node and not self._stood(s, now)
+                      and self.age(s, now) >= SLOT_GRACE_SECONDS
+                      and (s.index >= view.limit or holders <= view.limit)]
+        if not candidates:
+            return None
+        under = [s for s in candidates if s.index < view.limit]  # a slot to hold, before one to clear
+        slot = self._rng.choice(under or candidates)
+        seen_for = self.age(slot, now)
+        holder = read_node(slot.holder)
+        why = holder_verdict(holder, self._taint_key, seen_for, self._grace)
+        if why:
+            return Reclaim(slot, why, grant=slot.index < view.limit)
+        # Not looked at again for a while, but never past the moment it could be judged stuck.
+        judge_again = now + self._grace + SLOT_GRACE_SECONDS - seen_for
+        until = now + LIVE_HOLDER_SECONDS
+        if holder is not None and not shows_disruptive_step(holder, self._taint_key):
+            until = min(until, max(now, judge_again))
+        self._live[slot.name] = (slot.version, until)
+        return None
+
+    def _shuffled(self, slots: list[Slot]) -> list[Slot]:
+        return self._rng.sample(slots, len(slots))
+
+    def next_judgement(self, view: BudgetView, now: float) -> float | None:
+        """When a slot of ``view`` held by another node can next be judged (it comes of age, or
+        its holder's standing runs out), if later than ``now``: a held node looks again then,
+        so a leaked or forged slot is taken back as soon as the rule allows, not at the end of
+        a stretched re-check interval."""
+        times = []
+        for slot in view.held:
+            if slot.holder == self._node or slot.index >= view.limit:
+                continue
+            version, until = self._live.get(slot.name, ("", 0.0))
+            times.append(until if version == slot.version and now < until
+                         else now - self.age(slot, now) + SLOT_GRACE_SECONDS)
+        later = [t for t in times if t > now]
+        return min(later) if later else None
+
+    def _stood(self, slot: Slot, now: float) -> bool:
+        version, until = self._live.get(slot.name, ("", 0.0))
+        return version == slot.version and now < until
