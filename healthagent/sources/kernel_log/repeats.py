@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from healthagent.model import XidEvent
-from healthagent.sources.kernel_log.formats import KERNEL_FACILITY
 
 # First reports of one (kind, XID, GPU) per read that are handed over as they are.
 REPEATS_KEPT = 8
@@ -48,9 +47,10 @@ def record_key(line: str, max_chars: int) -> str | None:
     semi = line.find(";")
     if semi <= 0 or len(line) > max_chars or not line[0].isdigit() or line.find(" ", 0, semi) >= 0:
         return None
-    comma = line.find(",", 0, semi)
-    if comma <= 0 or not line[:comma].isdigit() or int(line[:comma]) >> 3 != KERNEL_FACILITY:
-        return None  # user space's record: parsed (and ignored) in full, never folded into the driver's
+    if line[1] != "," or line[0] > "7":
+        # Not one digit 0-7, the kernel's facility (0) as the kernel prints it: user space's record
+        # (or an odd one) is parsed in full, where it is ignored, never folded into the driver's.
+        return None
     at = line.find("Xid", semi)
     if at < 0 or line[at - 1] == "S" or "\\x" in line:
         return None
