@@ -24,6 +24,7 @@ In dry-run there is no cluster view: every question allows and nothing is writte
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import replace
 from typing import Any, Callable
@@ -302,31 +303,36 @@ class BudgetGuard:
 
     def _trusted(self, view: BudgetView, now: float) -> BudgetView:
         """``view`` with a limit this agent can stand behind. The shared count is any node's to
-        write, so a limit above the smallest one (``budget_limit`` of no count) is used only after
-        this agent counted the GPU nodes itself (one server-side Table, at most once per
-        ``COUNT_MAX_AGE_SECONDS``); until a take needs more than the smallest limit, no count is
-        made and the take stays among the smallest limit's slots (and a budget full by the shared
-        count's own limit needs no count: a lower count is the safe direction). A shared count that differs from
-        this agent's is re-written with its own (a forged or stale count heals at the first take
-        that relies on it), counted and logged."""
+        write, so a limit above the smallest one (``budget_limit`` of no count) is used only as
+        far as this agent has seen enough GPU nodes for it itself: one page of the node Table
+        with as many rows as twice the holders (plus one) need at ``budget_max_fraction`` (40
+        rows for the second holder at 10%, 200 for the tenth), whatever the fleet's size; twice,
+        so agents racing for the next slots still spread over several. The page is read again
+        when a later take needs more, or after ``COUNT_MAX_AGE_SECONDS``. No look is made while
+        the take stays among the smallest limit's slots, nor when the budget is full by the
+        shared count's own limit (a lower count is the safe direction). A page that ends short
+        gives the exact count; a shared count that differs from it is re-written (a forged or
+        stale count heals at the first take that relies on it), counted and logged."""
         floor = budget_limit(0, self._fraction, self._max_nodes)
         if view.limit <= floor:
             return view
-        if self._verified is None or not 0 <= now - self._verified[1] < COUNT_MAX_AGE_SECONDS:
-            if len(view.held) < floor:
-                return replace(view, limit=floor)
-            if not view.allows:
-                return view  # full even by the shared count: nothing rides on it
-            self._verified = (self._require_store().count_nodes(self._counted), now)
-            if view.count is not None and view.count.nodes != self._verified[0]:
-                self._correct_count(view, now)
-        return replace(view, limit=budget_limit(self._verified[0], self._fraction, self._max_nodes))
+        if len(view.held) < floor:
+            return replace(view, limit=floor)  # no count needed for the first slots
+        if not view.allows:
+            return view  # full even by the shared count: nothing rides on it
+        wanted = math.ceil(min(view.limit, 2 * (len(view.holders) + 1)) / self._fraction - 1e-9)
+        seen = self._verified
+        if seen is None or not 0 <= now - seen[1] < COUNT_MAX_AGE_SECONDS or seen[0] < wanted:
+            rows, complete = self._require_store().nodes_at_least(self._counted, wanted)
+            seen = self._verified = (rows if complete else wanted, now)
+            if complete and view.count is not None and view.count.nodes != rows:
+                self._correct_count(view, rows, now)
+        return replace(view, limit=min(view.limit, budget_limit(seen[0], self._fraction, self._max_nodes)))
 
-    def _correct_count(self, view: BudgetView, now: float) -> None:
+    def _correct_count(self, view: BudgetView, nodes: int, now: float) -> None:
         """Re-write the shared count with this agent's own (best effort: another writer's 409 or
         a refusal leaves it to the next re-count)."""
-        assert view.count is not None and self._verified is not None
-        nodes = self._verified[0]
+        assert view.count is not None
         log.warning("effects node=%s budget=count_disbelieved shared=%s counted=%d: the shared count "
                     "differs from the API server's node list; re-writing it", self._node, view.count.nodes, nodes)
         self._tally.count("budget_count_disbelieved",

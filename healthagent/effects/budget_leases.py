@@ -14,6 +14,8 @@ not grow with the cluster except for the count, which the fleet shares:
   count     ``LIST nodes`` as a server-side Table without the objects (``includeObject=None``):
             a row of a few hundred bytes a node, not the ~10 kB Node; one agent of the fleet,
             at most every ten minutes
+  at least  one page of that Table, as many rows as a limit needs (``limit=``): an agent's own
+            check of the shared count before it takes a slot past the smallest limit
 
 Errors are classified as for the node (``effects/backend.py``): ``Conflict``, ``AlreadyExists``,
 ``ApiUnavailable``, ``ApiRejected``.
@@ -88,8 +90,21 @@ class LeaseStore:
 
     def count_nodes(self, label_selector: str) -> int:
         """How many nodes match ``label_selector``: the rows of a server-side Table, served from
-        the watch cache, without the objects. The typed client has no ``includeObject``, so the
-        request is built with the client's own serializer."""
+        the watch cache, without the objects."""
+        rows, _ = self._node_table(label_selector, [("resourceVersion", "0")])
+        return rows
+
+    def nodes_at_least(self, label_selector: str, wanted: int) -> tuple[int, bool]:
+        """Are there at least ``wanted`` nodes matching ``label_selector``? One page of at most
+        ``wanted`` rows, so the answer costs what the question needs, not the fleet: (rows,
+        ``True`` when that is every matching node, the exact count). A paged list is a
+        consistent read (the watch cache would ignore ``limit`` at ``resourceVersion=0``)."""
+        return self._node_table(label_selector, [("limit", str(max(1, wanted)))])
+
+    def _node_table(self, label_selector: str, params: list[tuple[str, str]]) -> tuple[int, bool]:
+        """(rows, complete) of a server-side Table of the matching nodes without their objects.
+        The typed client has no ``includeObject``, so the request is built with the client's own
+        serializer."""
         api = self.core.api_client
 
         def list_node_table(_preload_content: bool = False, _request_timeout: Any = None) -> Any:
@@ -97,8 +112,7 @@ class LeaseStore:
 
             method, url, headers, _, _ = api.param_serialize(
                 method="GET", resource_path="/api/v1/nodes",
-                query_params=[("labelSelector", label_selector), ("resourceVersion", "0"),
-                              ("includeObject", "None")],
+                query_params=[("labelSelector", label_selector), *params, ("includeObject", "None")],
                 header_params={"Accept": TABLE}, auth_settings=["BearerToken"])
             response = api.call_api(method, url, header_params=headers, _request_timeout=_request_timeout)
             if not 200 <= response.status <= 299:
@@ -110,4 +124,6 @@ class LeaseStore:
         rows = reply.get("rows") if isinstance(reply, dict) and reply.get("kind") == "Table" else None
         if not isinstance(rows, list):
             raise ApiUnavailable("the node table reply has no rows")
-        return len(rows)
+        meta = reply.get("metadata")
+        more = isinstance(meta, dict) and bool(meta.get("continue"))
+        return len(rows), not more

@@ -260,3 +260,20 @@ def test_an_unchecked_count_lets_a_node_take_only_the_smallest_limits_slots(tmp_
     cluster.reset_log()
     agent.reconcile(XID95, T0, "boot-1")
     assert held_by(cluster, NODE) == [slot_name(0)] and node_lists(cluster) == []
+
+
+def test_the_agents_own_count_is_one_page_sized_by_the_holders_not_the_fleet(tmp_path, fake):
+    """120 GPU nodes, an honest count (a limit of 12), one node out: the next take needs the
+    limit only for a few more holders, so its own look is one page of 40 rows (twice the two
+    holders at 10%), and it takes one of slots 1..3."""
+    fake.seed_nodes(120)
+    agent = start_effects(settings_for(tmp_path, NODE), fake)
+    agent.startup(T0 - 1, "boot-1")  # counts 120 for the fleet
+    agent.budget._verified = None  # as any agent that did not count itself
+    peer_holds(fake, 0, "gpu-node-5")
+    fake.reset_log()
+    agent.reconcile(XID95, T0, "boot-1")
+    (page,) = node_lists(fake)
+    assert page["limit"] == "40" and "resourceVersion" not in page
+    (slot,) = held_by(fake, NODE)
+    assert slot in {slot_name(i) for i in (1, 2, 3)} and the_count(fake) == "120" and agent.errors == {}

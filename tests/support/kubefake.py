@@ -72,7 +72,8 @@ What it LEAVES OUT of Kubernetes: authentication, authorization (RBAC) and admis
 resource but nodes, events.k8s.io/v1 events and leases (no core/v1 events, no discovery); lease
 watches, PATCH and a held watch cache for leases (their lists are always live); protobuf, CBOR,
 YAML, and tables of anything but nodes; server-side apply and managedFields; pagination
-(``limit``/``continue`` are ignored); ``resourceVersionMatch=Exact`` (400) and the up-to-3 s
+beyond a node list's first page (``limit`` cuts it and sets a ``continue`` token, which is not
+served); ``resourceVersionMatch=Exact`` (400) and the up-to-3 s
 wait before a "too large resource version" 504; ``dryRun``; ``generation``; finalizers and graceful deletion;
 ``$setElementOrder`` and ``$retainKeys`` (accepted, ignored); most field validation beyond the list
 above; Event TTL expiry; HTTP/2. Of watches: ``sendInitialEvents``/``resourceVersionMatch``
@@ -869,8 +870,12 @@ class KubeFake:
                                                query.get("resourceVersionMatch", ""))
             items = [copy.deepcopy(n) for _, n in sorted(nodes.items())
                      if labels(n["metadata"].get("labels") or {}) and fields(n)]
-            return {"kind": "NodeList", "apiVersion": "v1",
-                    "metadata": {"resourceVersion": str(version)}, "items": items}
+            meta = {"resourceVersion": str(version)}
+            limit = query.get("limit", "")
+            if limit.isdigit() and 0 < int(limit) < len(items):  # the first page, as the real server pages
+                items = items[:int(limit)]
+                meta["continue"] = f"fake-continue-{version}-{limit}"
+            return {"kind": "NodeList", "apiVersion": "v1", "metadata": meta, "items": items}
 
     def _list_source(self, since: str, match: str) -> tuple[int, dict[str, dict]]:
         """(version, nodes) a list with this resourceVersion/resourceVersionMatch is served from."""
