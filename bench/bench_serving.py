@@ -1,6 +1,8 @@
-"""The agent's probes and scrape while a slow-client flood holds the training intake: p99 of each.
+"""The agent's probes and scrape while a slow-client flood holds the training intake or the agent's
+own port: p99 of each.
 
     .venv/bin/python -m bench.bench_serving [--clients 200] [--requests 300] [--before REF]
+    .venv/bin/python -m bench.bench_serving --fairness [--probes 20]
 
 Real servers on 127.0.0.1, the agent's ``AgentServer`` with the demo node's snapshot published
 (what a scrape of a p5.48xlarge-shaped node renders) and the intake closed as on a cluster (a job
@@ -15,6 +17,12 @@ the kubelet and Prometheus make them:
           fail (a reset connection, a refusal), the p50/p99 of those that succeed, and how many
           succeed per second of the whole load.
 
+``--fairness`` runs one scenario instead: 8 source addresses (127.0.0.2 .. 127.0.0.9, eight pods)
+with 25 slow clients each on the agent's own port, which has 32 slots and 8 per address, plus
+100 slow clients on the intake; then ``--probes`` GETs of ``/healthz`` and of ``/metrics`` from
+another address (127.0.0.10, the kubelet's or Prometheus'), one at a time, each on a new
+connection. It prints how many answered 200, how many within 2 s, and their latency.
+
 ``--before REF`` runs the flood and the intake load against the server of that git revision too
 (``git show REF:healthagent/telemetry/server.py``, the single listener this design replaced, with
 its shared token), so the two can be compared on the same machine in the same minute.
@@ -23,6 +31,7 @@ its shared token), so the two can be compared on the same machine in the same mi
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import socket
 import subprocess
@@ -33,7 +42,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from bench.common import machine, percentile, table
 from healthagent.training.access import IntakeAccess, job_token
@@ -55,14 +64,25 @@ def client_address(n: int) -> str:
     return f"127.0.{1 + n // 250}.{1 + n % 250}"
 
 
-class SlowClients:
-    """``count`` clients, each from its own address, each sending ``SLOW_REQUEST`` one byte per
-    round and reconnecting whenever the server drops it: a slowloris attack that lasts until
-    ``stop()`` (the tests hold the intake with it too)."""
+POD_ADDRESSES = tuple(f"127.0.0.{n}" for n in range(2, 10))  # eight pods flooding the agent's port
+PROBE_ADDRESS = "127.0.0.10"  # the kubelet's or Prometheus' own address
+FAIR_CLIENTS_PER_POD = 25
+FAIR_INTAKE_CLIENTS = 100
+FAIR_BOUND_SECONDS = 2.0
 
-    def __init__(self, port: int, count: int, seconds_per_byte: float = 0.2) -> None:
+
+class SlowClients:
+    """``count`` clients, each from its own address (or from ``addresses`` in turn: many clients of
+    one pod), each sending ``request`` (``SLOW_REQUEST``) one byte per round and reconnecting
+    whenever the server drops it: a slowloris attack that lasts until ``stop()`` (the tests hold
+    the intake and the agent's port with it too)."""
+
+    def __init__(self, port: int, count: int, seconds_per_byte: float = 0.2,
+                 addresses: Sequence[str] = (), request: bytes = SLOW_REQUEST) -> None:
         self.port = port
         self.seconds_per_byte = seconds_per_byte
+        self.addresses = tuple(addresses)
+        self.request = request
         self.clients: list[tuple[socket.socket | None, int]] = [(self._connect(n), 0) for n in range(count)]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._trickle, name="slow-clients", daemon=True)
@@ -71,7 +91,7 @@ class SlowClients:
     def _connect(self, n: int) -> socket.socket | None:
         sock = socket.socket()
         try:
-            sock.bind((client_address(n), 0))
+            sock.bind((self.addresses[n % len(self.addresses)] if self.addresses else client_address(n), 0))
             sock.settimeout(2)
             sock.connect(("127.0.0.1", self.port))
             return sock
@@ -85,7 +105,7 @@ class SlowClients:
                 try:
                     if sock is None:
                         raise OSError("not connected")
-                    sock.send(SLOW_REQUEST[sent % len(SLOW_REQUEST):][:1])
+                    sock.send(self.request[sent % len(self.request):][:1])
                     self.clients[n] = (sock, sent + 1)
                 except OSError:
                     if sock is not None:
@@ -215,13 +235,75 @@ def measure(target: Target, clients: int, requests: int, quiet: bool) -> list[li
     return rows
 
 
+SLOW_GET = b"GET /healthz HTTP/1.1\r\nHost: agent\r\nX-Slow: " + b"x" * 64 + b"\r\n\r\n"
+
+
+def get_from(source: str, port: int, path: str, timeout: float) -> tuple[float, bool]:
+    """(seconds, answered 200) for one GET from the loopback address ``source``, a new connection."""
+    started = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    try:
+        conn.request("GET", path)
+        reply = conn.getresponse()
+        reply.read()
+        ok = reply.status == 200
+    except (OSError, http.client.HTTPException):
+        ok = False
+    finally:
+        conn.close()
+    return time.perf_counter() - started, ok
+
+
+def pod_flood(agent_port: int, intake_port: int) -> tuple[SlowClients, SlowClients]:
+    """8 pods x 25 slow clients on the agent's port and 100 slow clients on the intake."""
+    agent = SlowClients(agent_port, len(POD_ADDRESSES) * FAIR_CLIENTS_PER_POD, addresses=POD_ADDRESSES,
+                        request=SLOW_GET)
+    return agent, SlowClients(intake_port, FAIR_INTAKE_CLIENTS)
+
+
+def fairness(probes: int) -> list[list[object]]:
+    """The pods' flood on both ports, then probes and scrapes from another address."""
+    telemetry, intake = _telemetry()
+    server = AgentServer(telemetry, intake, "127.0.0.1", 0, intake_listen=("127.0.0.1", 0),
+                         access=IntakeAccess("token", KEY))
+    server.start()
+    flood = pod_flood(server.port, server.intake_port)
+    try:
+        deadline = time.monotonic() + 30
+        while sum(server.held()["agent"].values()) < 32 and time.monotonic() < deadline:
+            time.sleep(0.05)  # every slot of the agent's port taken before the first probe
+        results = {path: [get_from(PROBE_ADDRESS, server.port, path, 10.0) for _ in range(probes)]
+                   for path in ("/healthz", "/metrics")}
+        held = server.held()["agent"]
+    finally:
+        for clients in flood:
+            clients.stop()
+        server.stop()
+    rows = []
+    for path, timings in results.items():
+        within = sum(1 for seconds, ok in timings if ok and seconds <= FAIR_BOUND_SECONDS)
+        rows.append(row("this tree", f"8 pods x 25 slow on the agent's port + {FAIR_INTAKE_CLIENTS} on the "
+                                     f"intake; from {PROBE_ADDRESS}", path, timings)
+                    + [f"{within}/{len(timings)}"])
+    print(f"agent port slots held by the pods when the probes ended: {dict(sorted(held.items()))}")
+    print(f"agent port errors: {server.errors}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=200, help="slow clients holding the intake")
     parser.add_argument("--requests", type=int, default=300, help="requests per endpoint and scenario")
     parser.add_argument("--before", metavar="REF", help="also run the server of this git revision")
+    parser.add_argument("--fairness", action="store_true",
+                        help="only the pods' flood on the agent's port, probed from another address")
+    parser.add_argument("--probes", type=int, default=20, help="probes and scrapes with --fairness")
     args = parser.parse_args()
     print(f"machine: {machine()}")
+    if args.fairness:
+        print(table(["server", "scenario", "request", "n", "failed", "p50 ms", "p99 ms", "max ms", "ok/s",
+                     f"200 within {FAIR_BOUND_SECONDS:g} s"], fairness(args.probes)))
+        return
     rows = measure(current_server(), args.clients, args.requests, quiet=True)
     if args.before:
         rows += measure(server_of_revision(args.before), args.clients, args.requests, quiet=False)

@@ -11,6 +11,20 @@ probes and Prometheus' scrape). On each listener:
   timeout it resets with each byte;
 - **a cap on connections**, in all and per client address: a client past either cap is closed at
   once, before a thread is started for it, and counted; one address cannot take every slot;
+- **fair admission when every slot is taken**: a new connection from an address that holds
+  fewer slots than some other address closes the oldest connection of the address that holds
+  the most (ties: the one whose oldest connection is oldest) and takes its slot; the new
+  connection is refused only when its address already holds as many slots as any other. So an
+  address holding no slot always gets in: no number of slow clients from other addresses can
+  keep out the kubelet's probe (from the node's address) or Prometheus' scrape (from its pod's).
+  The flood only competes with itself, each of its addresses held to an equal share. The oldest
+  connection is the one to close because a request that is being answered is done in
+  milliseconds, while a slow client has been holding its slot longest. A closed connection's
+  thread ends at once (its socket is shut down), and its slot passes to the newcomer at once;
+  if ``max_connections`` closed connections are still winding down, new ones are refused
+  (threads stay bounded). Each eviction is counted (``evicted``). The unit is the address:
+  clients behind one address share its share (host-network pods share the node's with the
+  kubelet; ``deploy/components/network-policy`` keeps other pods off the agent's port);
 - **a listen backlog** of ``backlog`` (socketserver's default of 5 resets clients as soon as a
   burst of connections outruns the accept loop);
 - one request per connection (HTTP/1.0), so a slot is held for one request at most;
@@ -27,10 +41,9 @@ import logging
 import socket
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from healthagent.common import ErrorTally
@@ -46,6 +59,46 @@ class Limits:
     max_per_client: int = 8
     deadline_seconds: float = 5.0
     backlog: int = 256
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What happens to a new connection: ``refused`` names the cap that turns it away ("" when it
+    is admitted); ``evict`` names the address whose oldest connection makes room for it."""
+
+    refused: str = ""
+    evict: str | None = None
+
+
+def admit(held: Mapping[str, int], oldest: Mapping[str, float], client: str, limits: Limits,
+          closing: int = 0) -> Admission:
+    """The fair admission rule (module docstring) for a connection from ``client``.
+
+    ``held``: slots held per address; ``oldest``: per address, when its oldest connection was
+    admitted; ``closing``: evicted connections whose threads have not ended yet.
+    """
+    mine = held.get(client, 0)
+    if mine >= limits.max_per_client:
+        return Admission(refused="refused_per_client")
+    if sum(held.values()) < limits.max_connections:
+        return Admission()
+    richer = [address for address, count in held.items() if count > mine and address != client]
+    if not richer or closing >= limits.max_connections:
+        return Admission(refused="refused")
+    return Admission(evict=max(richer, key=lambda address: (held[address], -oldest[address])))
+
+
+@dataclass(frozen=True, eq=False)
+class _Slot:
+    """One admitted connection: its socket, its client's address and when it was admitted."""
+
+    sock: socket.socket
+    address: Any
+    since: float
+
+    @property
+    def client(self) -> str:
+        return self.address[0]
 
 
 class DeadlineReader(io.RawIOBase):
@@ -160,52 +213,87 @@ class _Server(ThreadingHTTPServer):
         self.request_queue_size = limits.backlog  # read by server_activate() in __init__
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._lock = threading.Lock()
-        self._open = 0
-        self._per_client: Counter = Counter()
+        self._slots: dict[str, list[_Slot]] = {}  # per address, oldest first
+        self._closing: set[_Slot] = set()  # evicted, their threads not ended yet
         super().__init__(address, handler)
 
     def count_deadline(self) -> None:
         self.tally.count("deadline", f"a request took longer than its {self.limits.deadline_seconds:g} s "
                                      "deadline; the connection was closed")
 
-    def _admit(self, client: str) -> str | None:
-        """Take a slot for ``client``, or say which cap refuses it."""
+    @property
+    def held(self) -> dict[str, int]:
+        """Slots held per client address now (what the admission rule weighs)."""
         with self._lock:
-            if self._open >= self.limits.max_connections:
-                return "refused"
-            if self._per_client[client] >= self.limits.max_per_client:
-                return "refused_per_client"
-            self._open += 1
-            self._per_client[client] += 1
-            return None
+            return {client: len(slots) for client, slots in self._slots.items()}
 
-    def _release(self, client: str) -> None:
+    def _admit(self, slot: _Slot) -> tuple[Admission, int]:
+        """Take a slot for ``slot`` by the admission rule, closing the evicted connection at once;
+        returns the decision and how many slots the evicted address held."""
         with self._lock:
-            self._open -= 1
-            self._per_client[client] -= 1
-            if self._per_client[client] <= 0:
-                del self._per_client[client]
+            held = {client: len(slots) for client, slots in self._slots.items()}
+            oldest = {client: slots[0].since for client, slots in self._slots.items()}
+            decision = admit(held, oldest, slot.client, self.limits, len(self._closing))
+            if decision.refused:
+                return decision, 0
+            if decision.evict is not None:
+                victim = self._slots[decision.evict].pop(0)
+                if not self._slots[decision.evict]:
+                    del self._slots[decision.evict]
+                self._closing.add(victim)
+                # Under the lock: the victim's thread closes its socket only after taking the lock
+                # to release its slot, so this never shuts down a closed (or reused) descriptor.
+                try:
+                    victim.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # the client is already gone
+            self._slots.setdefault(slot.client, []).append(slot)
+            return decision, held.get(decision.evict, 0) if decision.evict else 0
+
+    def _release(self, slot: _Slot) -> None:
+        with self._lock:
+            if slot in self._closing:
+                self._closing.discard(slot)
+                return
+            slots = self._slots.get(slot.client, [])
+            if slot in slots:
+                slots.remove(slot)
+            if not slots:
+                self._slots.pop(slot.client, None)
 
     def process_request(self, request, client_address) -> None:
-        client = client_address[0]
-        refused = self._admit(client)
-        if refused is not None:
-            cap = (f"{self.limits.max_connections} connections open" if refused == "refused" else
+        """Admit by the rule, then serve on a thread of its own (or close at once, counted)."""
+        slot = _Slot(request, client_address, time.monotonic())
+        decision, victim_held = self._admit(slot)
+        if decision.refused:
+            cap = (f"{self.limits.max_connections} connections open and none from an address holding "
+                   "more than this one" if decision.refused == "refused" else
                    f"{self.limits.max_per_client} connections open from this address")
-            self.tally.count(refused, f"connection from {client} refused: {cap}")
+            self.tally.count(decision.refused, f"connection from {slot.client} refused: {cap}")
             self.shutdown_request(request)
             return
+        if decision.evict is not None:
+            self.tally.count("evicted", f"all {self.limits.max_connections} connections were taken: the "
+                                        f"oldest of {decision.evict}'s {victim_held} was closed to let "
+                                        f"{slot.client} in")
+        thread = threading.Thread(target=self._serve, args=(slot,), daemon=True)
         try:
-            super().process_request(request, client_address)
+            thread.start()
         except Exception:
-            self._release(client)
+            self._release(slot)
+            self.shutdown_request(request)
             raise
 
-    def process_request_thread(self, request, client_address) -> None:
+    def _serve(self, slot: _Slot) -> None:
+        """ThreadingMixIn's per-connection thread, with the slot released before the socket is
+        closed (see ``_admit``)."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(slot.sock, slot.address)
+        except Exception:
+            self.handle_error(slot.sock, slot.address)
         finally:
-            self._release(client_address[0])
+            self._release(slot)
+            self.shutdown_request(slot.sock)
 
     def handle_error(self, request, client_address) -> None:
         log.debug("http request from %s failed", client_address, exc_info=True)
@@ -231,6 +319,11 @@ class Listener:
     def port(self) -> int:
         """The bound port after ``start()`` (the requested one before)."""
         return self._httpd.server_address[1] if self._httpd is not None else self.requested_port
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Connections held per client address now ({} before ``start()``)."""
+        return self._httpd.held if self._httpd is not None else {}
 
     def start(self) -> None:
         self._httpd = _Server((self.host, self.requested_port), self.handler, self.limits, self.tally,

@@ -10,7 +10,9 @@
 Each listener has its own socket, thread and connection slots, a deadline for each whole request
 and caps per client address (``http_listener.py``), so a flood of slow clients on the intake
 cannot delay a probe or a scrape: the kubelet does not restart a healthy agent because a pod
-misbehaves. The intake checks the request's credential (``training/access.py``) from the
+misbehaves. On the agent's own port a flood from many addresses cannot starve them either: when
+every slot is taken, an address holding fewer slots takes the oldest slot of the address
+holding the most, so the kubelet's and Prometheus' addresses, holding none, always get in. The intake checks the request's credential (``training/access.py``) from the
 headers, before it parses the body; it answers everything else with 404.
 
 ``/healthz`` is the liveness probe: 200 while the loop's heartbeat is recent, 503 (with why) when
@@ -112,6 +114,13 @@ class AgentServer:
         """The training intake's port, None when it has no listener."""
         return self._intake.port if self._intake is not None else None
 
+    def held(self) -> dict[str, dict[str, int]]:
+        """Connections held per client address now, by listener (``agent``, ``intake``)."""
+        held = {"agent": self._agent.held}
+        if self._intake is not None:
+            held["intake"] = self._intake.held
+        return held
+
     def start(self) -> None:
         """Bind and serve both listeners; if the intake cannot bind, the agent's port is closed
         again (the caller reports the error and stops). A bind that fails raises ``ListenError``
@@ -142,8 +151,9 @@ class AgentServer:
     @property
     def errors(self) -> dict[str, int]:
         """Cumulative failures by kind: ``refused`` (connection cap), ``refused_per_client`` (one
-        address's cap), ``deadline`` (a request too slow), ``handler`` (a 500); the intake's
-        listener's with the prefix ``intake_``."""
+        address's cap), ``evicted`` (a connection closed to let in an address holding fewer),
+        ``deadline`` (a request too slow), ``handler`` (a 500); the intake's listener's with the
+        prefix ``intake_``."""
         counts = self._tally.snapshot()
         counts.update({f"intake_{kind}": n for kind, n in self._intake_tally.snapshot().items()})
         return counts
