@@ -19,7 +19,9 @@ class KmsgCursor:
 
     ``seq``/``boot_id`` identify the last /dev/kmsg record handed over (sequence numbers restart
     at every boot, so they only mean something with the boot id). ``path``/``inode``/``offset``
-    locate the next unread byte of a followed regular file. ``usec``/``same`` are the last
+    locate the next unread byte of a followed regular file; the inode also finds that file again
+    after it was renamed away while the agent was down (``file_reader``). A cursor saved without
+    an inode or a fingerprint (an older agent's) loads with them unset. ``usec``/``same`` are the last
     record's timestamp (microseconds since boot) and how many records in a row carried it: the
     klogctl reader has no sequence numbers, and the device reader keeps them too so a restart that
     switches between the two neither repeats nor skips. ``tail`` holds digests of the last lines

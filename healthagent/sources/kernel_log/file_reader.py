@@ -24,12 +24,26 @@ before the offset). Before every chunk the fingerprint is checked where the byte
 
 The cursor saves the fingerprint as a digest, so a restart tells the same way whether the file at
 the path is the log it stopped in (resume at the offset), whatever its inode.
+
+**Rotated while the agent was down.** The cursor also keeps the inode it stopped in. When the
+file at the path is another log after a restart, the log the cursor stopped in was most likely
+renamed away (logrotate's ``kern.log`` -> ``kern.log.1``) with lines the agent never read, the
+last ones before the rotation. So the directory's entries whose names start with the log's name
+are looked at (``lstat``, at most ``MAX_ROTATED_CANDIDATES``): a regular file on the same
+filesystem with the saved inode, at least as long as the saved offset, and holding the saved
+fingerprint there, is that log: it is opened and its unread end read before the new file, as a
+file renamed away under a running agent is. Only an uncompressed rotation can be found (a ``.gz``
+is another inode); a log that cannot be found, or a directory that cannot be listed (its errno
+logged), leaves those lines unread, and the new file is read from its start as before. While such
+a file's end is being read and nothing of the new file is, the cursor stays in it, so a second
+restart finds it again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +54,7 @@ from healthagent.sources.kernel_log.parser import SOURCE_NAME, LogChunk
 from healthagent.sources.kernel_log.reader import Sink, is_char_device, log
 from healthagent.sources.kernel_log.wake import InotifyWaiter, file_waiter
 from healthagent.sources.kernel_log.wording import describe_unreadable, file_mode
+from healthagent.sources.sysfs_paths import errno_text
 
 # Regular files are read in chunks of this size: a flood costs bounded memory, never a slurp.
 FILE_CHUNK_BYTES = 1 << 20
@@ -49,6 +64,8 @@ FINGERPRINT_BYTES = 1024
 RETIRED_IDLE_SECONDS = 30.0
 # Renamed-away files drained at once; an older one is closed when a newer rotation comes.
 MAX_RETIRED = 2
+# Directory entries looked at for the log the cursor stopped in (kern.log.1, kern.log-20260101...).
+MAX_ROTATED_CANDIDATES = 64
 
 
 def fingerprint(head: bytes, tail: bytes) -> str:
@@ -118,6 +135,58 @@ def _same(fd: int, offset: int, expected: bytes) -> bool:
     return not expected or os.pread(fd, len(expected), offset) == expected
 
 
+def _renamed_away(path: str, saved: KmsgCursor, current: _Followed, tally: ErrorTally) -> _Followed | None:
+    """The log the cursor stopped in, renamed away in the same directory while the agent was down
+    (module docstring), opened at the saved offset; None when it is not there or cannot be told."""
+    if saved.inode is None or saved.inode == current.inode:
+        return None  # an old cursor without its inode, or the same file truncated in place
+    directory, name = os.path.split(path)
+    try:
+        device = os.fstat(current.fd).st_dev
+        with os.scandir(directory or ".") as entries:
+            candidates = sorted(e.path for e in entries if e.name.startswith(name) and e.name != name)
+    except OSError as exc:  # the lines are unobserved: said, never taken for read
+        log.warning("source=%s event=rotated_while_down path=%s error=%s: the directory cannot be listed "
+                    "to find the log the agent stopped in; its unread lines stay unread", SOURCE_NAME, path,
+                    errno_text(exc))
+        return None
+    for candidate in candidates[:MAX_ROTATED_CANDIDATES]:
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            continue  # rotated again or removed while being looked at
+        if (info.st_ino != saved.inode or info.st_dev != device or not stat.S_ISREG(info.st_mode)
+                or info.st_size < saved.offset):
+            continue
+        found = _open_at(candidate, saved)
+        if found is not None:
+            tally.count("rotated", f"{path} was rotated while the agent was down; reading the "
+                                   f"{info.st_size - saved.offset} unread bytes of {candidate} first")
+            log.info("source=%s event=rotated_while_down path=%s renamed=%s inode=%d offset=%d", SOURCE_NAME,
+                     path, candidate, saved.inode, saved.offset)
+            return found
+    return None
+
+
+def _open_at(candidate: str, saved: KmsgCursor) -> _Followed | None:
+    """``candidate`` opened at the saved offset when it is the saved log (inode, and fingerprint
+    when the cursor has one); None otherwise."""
+    try:
+        fd = os.open(candidate, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        followed = _Followed(fd, os.fstat(fd).st_ino, offset=saved.offset)
+        followed.head, followed.tail = _fingerprint_bytes(fd, saved.offset)
+        if followed.inode == saved.inode and (not saved.fingerprint
+                                              or followed.fingerprint() == saved.fingerprint):
+            return followed
+    except OSError:
+        pass  # unreadable now: its lines stay unread, as if it had not been found
+    os.close(fd)
+    return None
+
+
 class KernelLogFileReader:
     """A ``KernelLogReader`` over a regular file (kmsg records or dmesg/journal/syslog text)."""
 
@@ -150,15 +219,21 @@ class KernelLogFileReader:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         followed = _Followed(fd, os.fstat(fd).st_ino)
         resume = cls._resumes(followed, path, saved, same_boot)
+        renamed = None
         if resume:
             followed.offset = saved.offset
             followed.head, followed.tail = _fingerprint_bytes(fd, saved.offset)
-        elif saved.path == path and saved.offset and (saved.seq is None or same_boot):
-            tally.count("rotated", f"{path} is not the log the saved offset {saved.offset} was in (truncated "
-                                   f"or replaced while the agent was down); reading it from its start")
+        elif saved.path == path and (saved.seq is None or same_boot):
+            renamed = _renamed_away(path, saved, followed, tally)
+            if renamed is None and saved.offset:
+                tally.count("rotated", f"{path} is not the log the saved offset {saved.offset} was in (truncated "
+                                       f"or replaced while the agent was down); reading it from its start")
         log.info("source=%s event=open path=%s mode=file boot_id=%s offset=%d resume_after_seq=%s",
                  SOURCE_NAME, path, boot_id or "-", followed.offset, None if resume else handed_over)
-        return cls(path, followed, tally, last_seq=handed_over, skip_upto=None if resume else handed_over)
+        reader = cls(path, followed, tally, last_seq=handed_over, skip_upto=None if resume else handed_over)
+        if renamed is not None:
+            reader._retire(renamed)
+        return reader
 
     @staticmethod
     def _resumes(followed: _Followed, path: str, saved: KmsgCursor, same_boot: bool) -> bool:
@@ -300,8 +375,18 @@ class KernelLogFileReader:
         self.skip_upto = self.last_seq  # a copy of records already read is not read twice
 
     def cursor(self, boot_id: str) -> KmsgCursor:
-        return KmsgCursor(boot_id=boot_id, seq=self.last_seq, path=self.path, inode=self.file.inode,
-                          offset=self.file.offset, fingerprint=self.file.fingerprint())
+        at = self._resume_point()
+        return KmsgCursor(boot_id=boot_id, seq=self.last_seq, path=self.path, inode=at.inode,
+                          offset=at.offset, fingerprint=at.fingerprint())
+
+    def _resume_point(self) -> _Followed:
+        """Where a restart must go on: the current file, unless nothing of it was read yet while a
+        renamed-away file still has bytes unread; then that file (a restart finds it by inode)."""
+        if self.file.offset == 0:
+            for followed in self.retired:
+                if os.fstat(followed.fd).st_size > followed.offset:
+                    return followed
+        return self.file
 
     def describe_failure(self, exc: OSError) -> str:
         # The path may have been replaced by a device since it was opened as a file.
