@@ -51,7 +51,7 @@ def resolve_in_root(root: str, path: str, touch: FaultHook | None = None) -> str
             continue
         links += 1
         if links > MAX_SYMLINKS:
-            raise OSError(errno.ELOOP, "too many levels of symbolic links", candidate)
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), candidate)
         target = os.readlink(candidate)
         if target.startswith("/"):
             resolved = []
