@@ -42,6 +42,7 @@ from healthagent.model import (
     XidCount,
     XidEvent,
 )
+from healthagent.effects.stage import NodeSide, StageHistory, stage_of, started
 from healthagent.sources.base import EventSource, Source, SourceResult, XidEventQueue
 from healthagent.sources.kernel_log.wake import DataWaiter, Doorbell
 
@@ -187,6 +188,7 @@ class Agent:
         self.loop_errors: Counter[str] = Counter()  # cycle / persist failures the loop survived
         self.server: AgentServer | None = None  # what ``run`` heartbeats (its refusals are exported)
         self._no_effects = KubeStatus(mode=settings.kube)
+        self.stage: StageHistory = started(self.clock(), self.wall())  # the remediation pipeline
 
     @property
     def kube_status(self) -> KubeStatus:
@@ -307,11 +309,16 @@ class Agent:
             self.effects_worker.submit(verdict, tuple(self._health.values()))
 
     def _publish(self, now: float, gpus: tuple[GpuSample, ...], efa: tuple[EfaSample, ...]) -> None:
+        kube = self.kube_status
+        stage, reason = stage_of(self.verdict, kube.taint_effect, kube.budget_blocked,
+                                 NodeSide(kube.taint_action, kube.disruptive, kube.engine), self.stage, now,
+                                 self.settings.replace_noexecute_grace_seconds)
+        self.stage = self.stage.advance(stage, reason, now, self.wall())
         if self.telemetry is None:
             return
         self.telemetry.publish(AgentSnapshot(
-            timestamp=self.wall(), gpus=gpus, efa=efa, xid_counts=self.xids.snapshot(),
-            health=tuple(self._health.values()), verdict=self.verdict, kube=self.kube_status,
+            timestamp=self.wall(), gpus=gpus, efa=efa, xid_counts=self.xids.snapshot(), stage=self.stage,
+            health=tuple(self._health.values()), verdict=self.verdict, kube=kube,
             ready=self.ready, expected_gpus=self.expected_gpus,
             expected_efa_devices=self.expected_efa_devices,
             internal_errors=self.internal_errors(),

@@ -15,7 +15,10 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from healthagent.effects.stage import StageHistory
 
 
 class Action(str, enum.Enum):
@@ -394,6 +397,18 @@ class KubeStatus:
     # on): the API server's state, not the agent's faults. Exported as
     # healthagent_kube_api_errors_total.
     api_errors: Mapping[str, int] = field(default_factory=dict)
+    # The remediation pipeline as the node shows it (``effects/stage.py``): the agent's taint
+    # value, whether a disruptive step is on, and which engine has the node ("" = none).
+    taint_action: str = ""
+    disruptive: bool = False
+    engine: str = ""
+    # The budget as this agent last read it: its scope ("" = the fleet's), limit and slots held;
+    # None until a look (dry-run never looks).
+    budget_scope: str = ""
+    budget_limit: int | None = None
+    budget_slots_held: int | None = None
+    # Condition types of the agent's that another writer holds now (the agent leaves them alone).
+    conditions_owned_elsewhere: int = 0
 
 
 @dataclass(frozen=True)
@@ -415,3 +430,5 @@ class AgentSnapshot:
     # Failures the agent survived, cumulative by (component, kind): component state | kube |
     # policy | http | loop. Exported as healthagent_internal_errors_total.
     internal_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # The remediation stage and its history (``effects/stage.py``); None before the loop's first.
+    stage: "StageHistory | None" = None

@@ -234,6 +234,14 @@ class BudgetGuard:
         self._upkeep_at = None
         return False
 
+    def figures(self) -> dict[str, Any]:
+        """The budget as last read, for the metrics: scope, limit and slots held (None before a
+        look, and always in dry-run)."""
+        view = self._last_view
+        return {"budget_scope": self.scope.value if self.scope.label else "",
+                "budget_limit": view.limit if view is not None else None,
+                "budget_slots_held": len(view.holders) if view is not None else None}
+
     def node_gone(self) -> None:
         """The Node object is gone, and with it any taint: give the slot back (best effort; if
         this fails, another agent reclaims it after a GET of the missing node)."""

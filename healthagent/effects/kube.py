@@ -21,14 +21,12 @@ plan needs no write (a steady state costs no request); otherwise ask the budget 
 step needs it, write the node patch (``test`` operations pin what it replaces; a conflict -> the
 fresh node, a new step, a retry with backoff), keep the landed state, re-write a new budget slot
 (a reclaim meanwhile rolls the node back to held NoSchedule), write the conditions, settle the
-slot; deliver the queued Events and save the state. docs/design.md draws it.
+slot; deliver the queued Events and save the state (drawn in docs/design.md).
 
-What the verdict could not see (``Verdict.unobserved``) is never taken for health: a condition
-without findings whose area is unobserved says ``Unknown`` (``GpuNotObserved``,
-``EfaNotObserved``), the health label says ``unknown`` instead of ``healthy``, and a reboot taint
-already on the node stays while the subsystem its finding came from is unobserved (a driver that
-stopped answering is not a recovery: no removal, no ``Cleared`` Event). Nothing is ever tainted
-because of it, and the budget is not asked.
+What the verdict could not see (``Verdict.unobserved``) is never taken for health: an area
+unobserved says ``Unknown`` (``GpuNotObserved``, ``EfaNotObserved``), the health label ``unknown``,
+and a reboot taint stays while its subsystem is unobserved (a driver that stopped answering is no
+recovery). Nothing is ever tainted because of it, and the budget is not asked.
 """
 
 from __future__ import annotations
@@ -60,6 +58,7 @@ from healthagent.effects.node_watch import BACKOFF_SECONDS, WATCH_TIMEOUT_SECOND
 from healthagent.effects.node_writer import NodeWriter
 from healthagent.effects.plan import Budget, NodePlan, PlanSettings, clear_request
 from healthagent.effects.record import STATE_KEY, EffectsState, saved_part
+from healthagent.effects.stage import node_side
 from healthagent.effects.step import (
     WARNING,
     Note,
@@ -206,8 +205,7 @@ class NodeEffects:
         return self._watch is not None and self._watch.live
 
     @property
-    def budget_recheck_at(self) -> float | None:
-        """While the budget holds the node at NoSchedule: the time of the next look for a slot (jittered)."""
+    def budget_recheck_at(self) -> float | None:  # held at NoSchedule: the next look for a slot (jittered)
         return self.budget.recheck_at
 
     @property
@@ -216,8 +214,7 @@ class NodeEffects:
         return self._cache.get()
 
     @property
-    def node_watch(self) -> NodeWatch | None:
-        """The watch on the node; None in dry-run or with ``watch=False``."""
+    def node_watch(self) -> NodeWatch | None:  # None in dry-run or with ``watch=False``
         return self._watch
 
     @property
@@ -488,13 +485,15 @@ class NodeEffects:
         self.state.flush()
 
     def status(self) -> KubeStatus:
-        effects = {t.get("effect") for t in owned_taints(self._cache.get() or {}, self.settings.taint_key)}
+        node = self._cache.get() or {}
+        effects = {t.get("effect") for t in owned_taints(node, self.settings.taint_key)}
         effect = NO_EXECUTE if NO_EXECUTE in effects else (next(iter(effects)) if effects else "")
         return KubeStatus(
             mode=self.mode, reachable=self._reachable, taint_effect=effect,
             budget_blocked=self.record.budget_blocked, budget_blocked_total=self.record.budget_blocked_total,
             writes=dict(self.writer.writes), pending_writes=self._pending + len(self.ledger.outbox),
             clear_pending=self.pending_clear() or self.record.clear_to_write,
-            watching=self.watching, api_errors=self.api_errors,
-        )
+            watching=self.watching, api_errors=self.api_errors, **self.budget.figures(),
+            **vars(node_side(node, self.settings.taint_key)),
+            conditions_owned_elsewhere=sum(not w.released for w in self.record.foreign))
 

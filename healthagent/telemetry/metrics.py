@@ -53,6 +53,7 @@ from healthagent.model import (
     GpuSample,
 )
 from healthagent.telemetry import spec as names
+from healthagent.telemetry.pipeline_metrics import pipeline_families
 from healthagent.telemetry.encode_cache import (
     OPENMETRICS_EOF,
     FamilyInput,
@@ -186,6 +187,7 @@ def render_snapshot(snapshot: AgentSnapshot) -> Iterator[Metric]:
 def _other_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     yield from _verdict_families(snapshot)
     yield from _kube_families(snapshot)
+    yield from pipeline_families(snapshot, _family)
     yield from _source_families(snapshot)
     yield from _internal_error_families(snapshot)
 

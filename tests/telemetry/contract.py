@@ -63,6 +63,14 @@ EXTRAS = [
     ("training_jobs", "gauge", ()),
     ("internal_errors_total", "counter", ("component", "kind")),
     ("kube_watch_up", "gauge", ()),
+    ("remediation_stage", "gauge", ("stage",)),
+    ("remediation_stage_info", "gauge", ("stage", "reason")),
+    ("remediation_stage_entered_timestamp_seconds", "gauge", ()),
+    ("remediation_stage_transitions_total", "counter", ("from_stage", "to_stage")),
+    ("remediation_stage_duration_seconds", "histogram", ("stage",)),
+    ("budget_limit", "gauge", ("scope",)),
+    ("budget_slots_held", "gauge", ("scope",)),
+    ("conditions_owned_elsewhere", "gauge", ()),
 ]
 
 

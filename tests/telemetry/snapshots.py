@@ -20,6 +20,7 @@ from healthagent.model import (
     Verdict,
     XidCount,
 )
+from healthagent.effects.stage import started
 from tests.support.efa_reference import efa_counter_facts
 
 NOW = 1_760_000_000.0
@@ -108,8 +109,12 @@ def demo_snapshot(**overrides) -> AgentSnapshot:
                         budget_blocked=False, budget_blocked_total=2,
                         writes={("node", "ok"): 3, ("node", "conflict"): 1, ("event", "ok"): 4,
                                 ("node_status", "error"): 1},
-                        pending_writes=0),
+                        pending_writes=0, taint_action="replace_node", budget_scope="", budget_limit=2,
+                        budget_slots_held=1, conditions_owned_elsewhere=0),
         ready=True, expected_gpus=8, expected_efa_devices=32,
+        # healthy until T0 - 600, observing for 5 minutes, cordoned since T0 - 300
+        stage=started(NOW - 900, NOW - 900).advance("observing", "GPU_XID", NOW - 600, NOW - 600)
+        .advance("cordoned", "GPU_XID", NOW - 300, NOW - 300),
     )
     fields.update(overrides)
     return AgentSnapshot(**fields)

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.integration
 # not page retirement (NVML says NOT_SUPPORTED, which the exporter leaves absent, never 0);
 # Kubernetes in dry-run makes no API writes; a healthy source counts no errors.
 NO_SAMPLES_ON_THE_DEMO_NODE = {"sxid_errors_total", "gpu_retired_pages", "gpu_retired_pages_pending",
-                               "kube_writes_total", "source_errors_total"}
+                               "kube_writes_total", "source_errors_total",
+                               "budget_limit", "budget_slots_held"}  # dry-run never reads the budget
 KEY = "0123456789abcdef-training-key-0123456789"
 
 

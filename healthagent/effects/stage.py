@@ -1,0 +1,163 @@
+"""Where the node is between "fault seen" and "back in service": the remediation stage, and its history.
+
+Operators trust an agent that takes nodes away only when they can see, at any moment, where each
+faulty node is in the pipeline and why it waits. The stage is derived (a pure function) from the
+verdict and what the node object shows, never kept as a second truth beside them:
+
+  healthy          no open finding, no taint of the agent's
+  observing        open findings, none of which takes the node out (monitor, restart_app,
+                   reset_gpu)
+  cordoned         the agent's NoSchedule: new pods stay off, the job's grace runs
+  held_by_budget   NoSchedule past the grace: the disruptive step is due and the disruption
+                   budget has no slot for it
+  disrupting       the agent's disruptive step is on the node (NoExecute evicts the job's
+                   pods) and no engine has visibly taken the node yet
+  handed_off       an engine has the node: it cordoned or drained it (``spec.unschedulable``, which
+                   the agent never sets), Karpenter's ``karpenter.sh/disrupted`` taint is on, or the
+                   agent's request is one an engine acts on by itself (HyperPod's
+                   ``UnschedulablePending*``, a gated condition ``False`` that node repair acts on
+                   after its toleration)
+  rebooting        a reboot_node's disruptive step is on: the node waits for a new boot id
+  cleared          the agent's taint came off (healed, or an operator's clear), for
+                   ``CLEARED_HOLD_SECONDS``: nodes returning to service stay visible
+
+``StageHistory`` keeps, on the decision clock, when the current stage was entered (and the wall
+time, for people), the transitions by stage pair, and how long each finished stay lasted, as
+cumulative histogram buckets. An agent restart starts the current stay again: the history lives
+in the process, and the stage itself is re-derived from the node at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping
+
+from healthagent.effects.budget_reclaim import GATED_TYPES, shows_disruptive_step
+from healthagent.effects.hyperpod import HYPERPOD_HEALTH_LABEL, HYPERPOD_PENDING_REBOOT, HYPERPOD_PENDING_REPLACEMENT
+from healthagent.effects.node_desired import NO_EXECUTE, labels_of, owned_taints
+from healthagent.model import Action, Verdict
+
+HEALTHY, OBSERVING, CORDONED, HELD_BY_BUDGET = "healthy", "observing", "cordoned", "held_by_budget"
+DISRUPTING, HANDED_OFF, REBOOTING, CLEARED = "disrupting", "handed_off", "rebooting", "cleared"
+STAGES = (HEALTHY, OBSERVING, CORDONED, HELD_BY_BUDGET, DISRUPTING, HANDED_OFF, REBOOTING, CLEARED)
+TAINTED_STAGES = frozenset({CORDONED, HELD_BY_BUDGET, DISRUPTING, HANDED_OFF, REBOOTING})
+CLEARED_HOLD_SECONDS = 600.0
+KARPENTER_DISRUPTED_TAINT = "karpenter.sh/disrupted"
+# Seconds a stay lasted: a minute to a day, the span between a grace and an engine's slowest repair.
+DURATION_BUCKETS = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
+
+
+@dataclass(frozen=True)
+class NodeSide:
+    """What the node object shows of the pipeline (``node_side``), carried in ``KubeStatus``."""
+
+    taint_action: str = ""  # the value of the agent's taint: replace_node | reboot_node | ""
+    disruptive: bool = False  # a disruptive step is on: NoExecute, HyperPod pending, a gated False
+    engine: str = ""  # who has the node: karpenter | drain | hyperpod | node-repair | ""
+
+
+def node_side(node: Mapping | None, taint_key: str) -> NodeSide:
+    """The pipeline as ``node`` shows it (None: not read yet)."""
+    if not node:
+        return NodeSide()
+    taints = owned_taints(node, taint_key)
+    action = str(taints[0].get("value") or "") if taints else ""
+    return NodeSide(action, shows_disruptive_step(node, taint_key), engine_of(node))
+
+
+def engine_of(node: Mapping) -> str:
+    """Which engine has visibly taken the node, if any: its own action first (Karpenter's
+    disrupted taint, a cordon by a drain), then a request an engine acts on by itself."""
+    spec = node.get("spec") or {}
+    if any(isinstance(t, Mapping) and t.get("key") == KARPENTER_DISRUPTED_TAINT for t in spec.get("taints") or []):
+        return "karpenter"
+    if spec.get("unschedulable") is True:
+        return "drain"
+    if labels_of(node).get(HYPERPOD_HEALTH_LABEL) in (HYPERPOD_PENDING_REPLACEMENT, HYPERPOD_PENDING_REBOOT):
+        return "hyperpod"
+    conditions = (node.get("status") or {}).get("conditions") or []
+    if any(isinstance(c, Mapping) and c.get("type") in GATED_TYPES and c.get("status") == "False"
+           for c in conditions):
+        return "node-repair"
+    return ""
+
+
+def stage_of(verdict: Verdict | None, taint_effect: str, budget_blocked: bool, side: NodeSide,
+             previous: "StageHistory", now: float, grace_seconds: float = 0.0) -> tuple[str, str]:
+    """(stage, reason) for the node now. The reason is short and bounded: a finding code, an
+    engine, ``budget``; never free text (it is a metric label). A node the budget holds is
+    ``cordoned`` while its grace (``grace_seconds`` since it was first seen tainted) runs: the
+    budget matters only once the disruptive step is due."""
+    leading = _leading_code(verdict)
+    if taint_effect:
+        due = previous.tainted_since is not None and now - previous.tainted_since >= grace_seconds
+        if budget_blocked and due:
+            return HELD_BY_BUDGET, "budget"
+        if side.engine and (side.disruptive or side.engine in ("karpenter", "drain")):
+            return HANDED_OFF, side.engine
+        if taint_effect == NO_EXECUTE or side.disruptive:
+            return (REBOOTING, leading or Action.REBOOT_NODE.value) if side.taint_action == Action.REBOOT_NODE.value \
+                else (DISRUPTING, leading or side.taint_action or "taint")
+        return CORDONED, leading or side.taint_action or "taint"
+    if previous.stage in TAINTED_STAGES or (previous.stage == CLEARED and now - previous.entered < CLEARED_HOLD_SECONDS):
+        if verdict is None or not verdict.findings or previous.stage == CLEARED:
+            return CLEARED, previous.reason if previous.stage == CLEARED else "taint_removed"
+        return CLEARED, "taint_removed"
+    if verdict is not None and verdict.findings:
+        return OBSERVING, leading
+    return HEALTHY, ""
+
+
+def _leading_code(verdict: Verdict | None) -> str:
+    if verdict is None or not verdict.findings:
+        return ""
+    return max(verdict.findings, key=lambda f: list(Action).index(f.action)).code
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Cumulative histogram of finished stays in one stage: counts per ``DURATION_BUCKETS`` upper
+    bound (the last is +Inf), their sum and count."""
+
+    buckets: tuple[int, ...] = (0,) * (len(DURATION_BUCKETS) + 1)
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> "Durations":
+        at = bisect.bisect_left(DURATION_BUCKETS, seconds)
+        counts = tuple(n + (1 if i >= at else 0) for i, n in enumerate(self.buckets))
+        return Durations(counts, self.total + seconds, self.count + 1)
+
+
+@dataclass(frozen=True)
+class StageHistory:
+    """The current stage (entered on the decision clock and by the wall clock), and the history."""
+
+    stage: str = HEALTHY
+    reason: str = ""
+    entered: float = 0.0
+    entered_wall: float = 0.0
+    tainted_since: float | None = None  # decision clock: the episode's first tainted stage
+    transitions: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    durations: Mapping[str, Durations] = field(default_factory=lambda: MappingProxyType({}))
+
+    def advance(self, stage: str, reason: str, now: float, wall: float) -> "StageHistory":
+        """The history after the node is seen in ``stage`` at ``now`` (decision clock)."""
+        if stage == self.stage:
+            return self if reason == self.reason else replace(self, reason=reason)
+        tainted_since = (self.tainted_since if self.stage in TAINTED_STAGES else now) \
+            if stage in TAINTED_STAGES else None
+        pair = (self.stage, stage)
+        transitions = dict(self.transitions)
+        transitions[pair] = transitions.get(pair, 0) + 1
+        durations = dict(self.durations)
+        durations[self.stage] = durations.get(self.stage, Durations()).observe(max(0.0, now - self.entered))
+        return StageHistory(stage, reason, now, wall, tainted_since, MappingProxyType(transitions),
+                            MappingProxyType(durations))
+
+
+def started(now: float, wall: float) -> StageHistory:
+    """The history of an agent that just started: healthy since now, until the first look."""
+    return StageHistory(entered=now, entered_wall=wall)
