@@ -240,6 +240,10 @@ class Collection:
     efa: tuple[EfaSample, ...] = ()
     health: tuple[SourceHealth, ...] = ()
     boot_id: str = ""
+    # When the node booted, on the clock of ``timestamp`` (the decision clock: its epoch, the
+    # moment the monotonic clock read zero). A rule's ``after_boot_grace`` is measured from it;
+    # None = unknown, and no grace applies.
+    boot_time: float | None = None
     # Inventory the node is expected to have (from config or the instance type); None = unknown.
     expected_gpus: int | None = None
     expected_efa_devices: int | None = None
