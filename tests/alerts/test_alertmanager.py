@@ -34,6 +34,7 @@ EXPECTED_RECEIVERS = {
     ("warning", "platform"): ["slack-platform"],
     ("warning", "training"): ["slack-training"],
     ("info", "hardware"): ["null"],
+    ("info", "platform"): ["null"],
 }
 
 

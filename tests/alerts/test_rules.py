@@ -43,17 +43,18 @@ REQUIRED_ALERTS = {
     "HealthagentGpuSbeStorm", "HealthagentEfaPortDown", "HealthagentEfaUnresponsiveRemote",
     "HealthagentBudgetExhausted", "HealthagentAgentDown", "HealthagentAgentAbsent",
     "HealthagentSourceFailing", "HealthagentTrainingStalled", "HealthagentTrainingThroughputDropped",
-    "HealthagentTrainingWorldSizeBelowMax",
+    "HealthagentTrainingWorldSizeBelowMax", "HealthagentBudgetSaturated", "HealthagentHandOffStuck",
+    "HealthagentConditionOwnedElsewhere", "HealthagentRemediationFlapping",
 }
-# Alerts that are not about one node (fleet-wide or per training job): no `node` label.
+# Alerts that are not about one node (fleet-wide, per budget scope or per training job): no `node` label.
 NODELESS = {"HealthagentAgentAbsent", "HealthagentTrainingStalled", "HealthagentTrainingThroughputDropped",
-            "HealthagentTrainingWorldSizeBelowMax"}
+            "HealthagentTrainingWorldSizeBelowMax", "HealthagentBudgetSaturated"}
 PER_GPU = {"HealthagentGpuDoubleBitError", "HealthagentGpuRowRemapFailure", "HealthagentGpuRowRemapPending",
            "HealthagentGpuLost", "HealthagentGpuSbeStorm"}
 # A runbook is a section of a file in docs/, by repository path: a finding code's section of
 # findings.md (the code in lower case, or the alert's own `code` label), another section there, or
 # one of operations.md. deploy/generate.py --runbook-base puts a served address in front.
-RUNBOOK_RE = re.compile(r"(?P<file>docs/(?:findings|operations)\.md)#(?P<anchor>[a-z0-9_-]+|"
+RUNBOOK_RE = re.compile(r"(?P<file>docs/(?:findings|operations|remediation)\.md)#(?P<anchor>[a-z0-9_-]+|"
                         r"(?P<by_code>\{\{ \$labels\.code \| toLower \}\}))")
 
 
@@ -188,7 +189,7 @@ def test_runbook_is_a_section_of_the_docs(rule):
     """Each runbook_url names a docs file of this repository and an anchor that file has."""
     url = rule["annotations"]["runbook_url"]
     match = RUNBOOK_RE.fullmatch(url)
-    assert match, f"{rule['alert']}: runbook_url {url!r} is not docs/findings.md#... or docs/operations.md#..."
+    assert match, f"{rule['alert']}: runbook_url {url!r} is not a section of docs/findings.md, operations.md or remediation.md"
     anchors = _github_anchors(REPO / match.group("file"))
     if match.group("by_code"):  # one alert for every code: every code's section must be there
         missing = sorted(code for code in FINDING_CODES if code.lower() not in anchors)

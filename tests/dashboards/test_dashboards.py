@@ -32,6 +32,7 @@ EXPECTED_DASHBOARDS = {
     "node-drilldown.json": ("healthagent-node", {"cluster", "node"}),
     "efa-network.json": ("healthagent-efa", {"cluster", "node"}),
     "elastic-training.json": ("healthagent-training", {"cluster", "node", "job"}),
+    "remediation.json": ("healthagent-remediation", {"cluster", "node"}),
 }
 
 # The panels each dashboard must have (title -> a metric its queries must use).
@@ -71,6 +72,15 @@ REQUIRED_PANELS = {
         "Tokens / s": "healthagent_training_tokens_total",
         "Step time quantiles": "healthagent_training_step_seconds_bucket",
         "Goodput": "healthagent_training_productive_seconds_total",
+    },
+    "remediation.json": {
+        "Nodes per stage": "healthagent_remediation_stage",
+        "Nodes in the pipeline": "healthagent_remediation_stage_info",
+        "Time in stage, p50": "healthagent_remediation_stage_duration_seconds_bucket",
+        "Time in stage, p99": "healthagent_remediation_stage_duration_seconds_bucket",
+        "Budget per scope": "healthagent_budget_slots_held",
+        "Hand-offs per engine": "healthagent_remediation_stage_info",
+        "Clears and conditions owned elsewhere": "healthagent_conditions_owned_elsewhere",
     },
 }
 
