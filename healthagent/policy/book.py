@@ -6,9 +6,12 @@ would taint and untaint a node forty times an hour. Two kinds of signal:
 
 - an *event* (an XID incident, counter growth, a rate over its limit) raises or refreshes a
   finding that lasts ``quiet_seconds`` after its last recurrence;
-- a *condition* (a flag or a state: remap pending, GPU lost, a device missing) raises after
-  ``condition_raise_evaluations`` bad evaluations in a row and clears after
-  ``condition_clear_evaluations`` good ones.
+- a *condition* (a flag or a state: remap pending, GPU lost, a device missing) raises, and clears
+  after ``condition_clear_evaluations`` good readings.
+
+When a finding of either kind may open is its code's rule (``debounce.py``: a count within a
+window, a sustain, a grace after the boot), judged by one function for every code; the book
+keeps each subject's tally and hands it the readings. A rule with nothing to count keeps nothing.
 
 Whatever the kind, persistence is by class: a ``reboot_node`` finding stays until the boot id
 changes (then it clears if the checks pass, and a condition that comes straight back is escalated
@@ -28,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from healthagent.model import Action, Finding
+from healthagent.policy.debounce import EMPTY, Tally, in_grace, step
 from healthagent.policy.settings import Policy
 
 EVENT = "event"
@@ -51,7 +55,9 @@ class Where:
 
 @dataclass(frozen=True)
 class Signal:
-    """What one rule says about one subject in one evaluation."""
+    """What one rule says about one subject in one evaluation. An event rule that read its
+    subject and found nothing says so too (``bad`` False): that ends a run its rule counts.
+    ``occurrences``: how many raw occurrences it stands for (a folded flood of kernel-log lines)."""
 
     code: str
     where: Where
@@ -64,6 +70,7 @@ class Signal:
     quiet_seconds: float = 0.0
     signature: str = ""  # a condition's identity for operator acknowledgement (clear)
     count: int = 1
+    occurrences: int = 1
 
     @property
     def key(self) -> str:
@@ -204,8 +211,10 @@ class FindingBook:
     streaks: dict[str, list[int]] = field(default_factory=dict)  # condition key -> [bad, good]
     acks: dict[str, str] = field(default_factory=dict)  # condition key -> cleared signature
     survivors: set[str] = field(default_factory=set)  # reboot-class conditions open at the last reboot
+    tallies: dict[str, Tally] = field(default_factory=dict)  # signal key -> its rule's tally
     observation: int = 0  # the classifier's current observation (set by it; stamps opened/touched)
     next_id: int = 1  # the id the next finding opened gets (saved: ids are never reused)
+    boot_time: float | None = None  # the node's boot on the decision clock (set by the classifier)
 
     def new_id(self) -> int:
         """A finding id no finding of this state has had: a new finding never takes the key of
@@ -217,18 +226,43 @@ class FindingBook:
     # -- signals ----------------------------------------------------------------------------------
 
     def apply(self, signal: Signal, now: float) -> None:
-        if not self.policy.enabled(signal.code):
+        if not self.policy.enabled(signal.code) or (signal.bad and self.in_grace(signal.code, now)):
             return
         if signal.kind == CONDITION:
             self._condition(signal, now)
         elif signal.bad:
             self._event(signal, now)
+        else:
+            self.opens(signal.code, signal.key, now, present=False)
+
+    def in_grace(self, code: str, t: float) -> bool:
+        """The code's signal at ``t`` is ignored: it falls in its rule's grace after the boot."""
+        return in_grace(self.policy.rule(code), t, self.boot_time)
+
+    def opens(self, code: str, key: str, t: float, present: bool = True, occurrences: int = 1) -> bool:
+        """Note one reading of ``key``'s raw signal under its code's rule (``debounce.step``);
+        True when a finding may open now. An open finding is refreshed whatever this says."""
+        rule = self.policy.rule(code)
+        if rule.at_once:
+            return present
+        tally, opens = step(rule, self.tallies.get(key, EMPTY), t, present, occurrences)
+        if tally == EMPTY:
+            self.tallies.pop(key, None)
+        else:
+            self.tallies[key] = tally
+        return opens
 
     def _event(self, signal: Signal, t: float) -> None:
+        opens = self.opens(signal.code, signal.key, t, occurrences=signal.occurrences)
         entry = self.entries.get(signal.key)
         if entry is None:
-            self.entries[signal.key] = self._new_entry(signal, t)
+            if opens:
+                self.entries[signal.key] = self._new_entry(signal, t)
             return
+        self._refresh(entry, signal, t)
+
+    def _refresh(self, entry: Entry, signal: Signal, t: float) -> None:
+        """An open finding's signal came again: the newest words, the worst action, a later time."""
         entry.action = Action.most_severe([entry.action, signal.action])
         entry.summary, entry.evidence, entry.next_steps = signal.summary, signal.evidence, signal.next_steps
         entry.last_seen = max(entry.last_seen, t)
@@ -240,6 +274,7 @@ class FindingBook:
         key = signal.key
         streak = self.streaks.setdefault(key, [0, 0])
         if not signal.bad:
+            self.opens(signal.code, key, now, present=False)
             streak[0], streak[1] = 0, streak[1] + 1
             self.acks.pop(key, None)
             self.survivors.discard(key)
@@ -254,13 +289,14 @@ class FindingBook:
         streak[0], streak[1] = streak[0] + 1, 0
         if key in self.survivors and signal.action is Action.REBOOT_NODE:
             signal = _escalated(signal)
+        opens = self.opens(signal.code, key, now)
         entry = self.entries.get(key)
         if entry is not None:
-            self._event(signal, now)
+            self._refresh(entry, signal, now)
             entry.count = streak[0]
             entry.signature = signal.signature
             return
-        if streak[0] < self.policy.condition_raise_evaluations:
+        if not opens:
             return
         entry = self._new_entry(signal, now)
         entry.count = streak[0]
@@ -295,6 +331,7 @@ class FindingBook:
         for key in closed:
             del self.entries[key]
         self.streaks.clear()
+        self.tallies.clear()  # a run or a count does not carry over a reboot
         return len(closed)
 
     def on_gpu_replaced(self, pci_bus_id: str) -> int:
@@ -303,7 +340,7 @@ class FindingBook:
         for key in keys:
             del self.entries[key]
         suffix = f"/{pci_bus_id}"
-        for table in (self.streaks, self.acks):
+        for table in (self.streaks, self.acks, self.tallies):
             for key in [k for k in table if k.endswith(suffix)]:
                 del table[key]
         self.survivors = {k for k in self.survivors if not k.endswith(suffix)}
@@ -337,6 +374,8 @@ class FindingBook:
                     kept[incident_key(key, fresh.id) if fresh.incident is not None else key] = fresh
         self.entries = kept
         self.streaks = {k: v for k, v in self.streaks.items() if k in kept}
+        # The tallies stay: a clear closes findings, not what was seen (a signal that keeps coming
+        # opens a new finding at its next occurrence, as one opened at once always did).
         self.survivors.clear()
         return closed
 
@@ -361,6 +400,7 @@ class FindingBook:
             "streaks": {k: list(v) for k, v in self.streaks.items()},
             "acks": dict(self.acks),
             "survivors": sorted(self.survivors),
+            "tallies": {k: t.to_dict() for k, t in self.tallies.items()},
             "next_id": self.next_id,
         }
 
@@ -376,6 +416,7 @@ class FindingBook:
             streaks=_items(d.get("streaks", {}), lambda v: [int(v[0]), int(v[1])], problems),
             acks=_items(d.get("acks", {}), as_text, problems),
             survivors=set(_items(_listed(d.get("survivors", []), problems), as_text, problems)),
+            tallies=_items(d.get("tallies", {}), Tally.from_dict, problems),
             next_id=_next_id(d.get("next_id"), problems),
         )
 

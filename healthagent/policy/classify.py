@@ -93,6 +93,7 @@ class Classifier:
         self.now = now
         self.observation += 1
         self.book.observation = self.observation
+        self.book.boot_time = _boot_time(collection.boot_time, now)
         cleared = 0
         token = collection.operator_clear
         if token and self.clear_token is None:  # the saved token was unreadable: never clear twice
@@ -290,6 +291,13 @@ class Classifier:
         self.restore_errors += len(problems)
         log.warning("classifier state partly unreadable, those parts start clean count=%d first=%s",
                     len(problems), "; ".join(problems[:3]))
+
+
+def _boot_time(value: float | None, now: float) -> float | None:
+    """The node's boot time as the rules' graces measure from it; None (no grace) when it is not
+    a time at or before this observation: a boot in the future would silence a signal for as
+    long as it is ahead."""
+    return float(value) if finite(value) and value <= now else None  # type: ignore[operator]
 
 
 def _number(value: Any) -> float:

@@ -13,7 +13,9 @@ The same XID often arrives twice: from the kernel log and from NVML's event queu
 reporter are real repeats. A report that stands for several (``XidEvent.repeats``: a kernel-log
 flood folded into one event, a dcgm counter that rose by three) pairs as that many: a folded
 flood of 50 from the kernel log and NVML's 50 single events of it count 50, not 99.
-An XID whose GPU is unknown is a node-level incident: never dropped.
+An XID whose GPU is unknown is a node-level incident: never dropped. When a new incident may
+open is its code's rule (``debounce.py``: at once by default; a count within a window, a grace
+after the boot); XIDs that do not open one are still counted in the metrics.
 
 An operator's clear closes the incident as it was when the operator cleared; XIDs that joined it
 after that (the loop learns of a clear only once the effects finish applying it) are reopened as
@@ -152,15 +154,18 @@ class XidIncidents:
         if action is Action.NONE:
             return  # the operator silenced this XID; it is still counted in the metrics
         code = NVSWITCH_SXID if event.kind == "sxid" else GPU_XID
-        if not self.policy.enabled(code):
+        if not self.policy.enabled(code) or book.in_grace(code, t):
             return
+        opens = book.opens(code, f"{code}/{where.subject}", t, occurrences=repeats)
         quiet = self.policy.incident_quiet_seconds
         joinable = [e for _, e in book.matching(code, where.subject) if e.incident is not None
                     and e.incident.earliest - quiet <= t <= e.incident.latest + quiet]
         if joinable:
             entry = max(joinable, key=lambda e: e.incident.latest)
-        else:
+        elif opens:
             entry = self._open(code, where, t, book)
+        else:
+            return
         incident = entry.incident
         assert incident is not None  # every entry matched or opened here is an incident
         incident.note(book.observation, str(entry_info.xid), t, event.source, action.value, repeats)

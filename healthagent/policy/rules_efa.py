@@ -13,6 +13,9 @@ Facts they rest on (the EFA driver's source, amzn-drivers efa_verbs.c, and AWS d
 - the counters are u64: the histories that decide are floats (a rate needs no more), but the
   evidence an operator reads is exact integers, kept beside them (a value near 2**64 has no exact
   float: ``2**64 - 1`` would read ``18446744073709551616``).
+
+Every reading of a counter is reported, over its limit or not (``bad`` False): when a finding
+opens is its code's rule (``debounce.py``), which may count readings in a row or a sustain.
 """
 
 from __future__ import annotations
@@ -102,6 +105,11 @@ def _signal(code: str, device: str, evidence: str, quiet: float, count: int) -> 
                   next_steps=steps_for(code, device=device), quiet_seconds=quiet, count=max(1, count))
 
 
+def _absent(code: str, device: str) -> Signal:
+    """A reading without the code's signal (ends a run its rule counts)."""
+    return Signal(code=code, where=Where(efa_device=device), bad=False, kind=EVENT)
+
+
 class EfaRules:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
@@ -130,6 +138,8 @@ class EfaRules:
                 evidence = (f"{'+'.join(names)} +{increase} in {duration_words(covered)} "
                             f"(limit {per_minute:g}/min)")
                 yield _signal(code, sample.device, evidence, self.policy.counter_quiet_seconds, increase)
+            else:
+                yield _absent(code, sample.device)
 
     def _admin_queue(self, device: str, counters: dict[str, Any], track: EfaTrack, t: float) -> Iterator[Signal]:
         """Any rise of no_completion_cmds (a non-zero count on first sight too: the queue has
@@ -148,5 +158,6 @@ class EfaRules:
         elif growth.without_baseline > 0:
             evidence = f"{ADMIN_QUEUE} is {current} (since the driver loaded)"
         else:
+            yield _absent("EFA_ADMIN_QUEUE_STUCK", device)
             return
         yield _signal("EFA_ADMIN_QUEUE_STUCK", device, evidence, self.policy.counter_quiet_seconds, 1)

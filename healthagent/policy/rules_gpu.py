@@ -14,6 +14,10 @@ Sources of the thresholds (all overridable in the policy file):
   usable: NVIDIA's tools list no such GPU (``nvidia-smi`` cannot open it) and the driver only
   retries when a process opens it again. So it is ``reboot_node`` unless a GPU source lists that
   GPU working now (a later attempt succeeded: ``monitor``, on record).
+
+Each rule reports its raw signal at every reading, present or not; when the finding opens (at
+once, after a count, sustained, after the boot's grace) is its code's rule in the table of
+``debounce.py``, not a timer here.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class GpuTrack(SeriesTrack):
 
     uuid: str = ""
     dbe_scope: str = ""
+    # When the slowdown began, for the evidence's words ("active for 6 min"); how long it must
+    # last before the finding opens is the code's rule (``debounce.py``: sustain).
     thermal_since: float | None = None
     power_since: float | None = None
 
@@ -114,7 +120,8 @@ class GpuRules:
                                                                 else "; it is not usable"),
                          evidence=f"kernel log at {clock(event.timestamp)} UTC: {event.message.strip()[:200]}; {seen}",
                          next_steps=steps_for("GPU_INIT_FAILED", index=where.gpu_index, pci_bus_id=where.pci_bus_id),
-                         quiet_seconds=self.policy.xid_window_seconds, count=max(1, event.repeats))
+                         quiet_seconds=self.policy.xid_window_seconds, count=max(1, event.repeats),
+                         occurrences=max(1, event.repeats))
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -133,6 +140,11 @@ class GpuRules:
                count: int = 1) -> Signal:
         return self._signal(gpu, where, code, evidence, bad=True, kind=EVENT, quiet_seconds=quiet,
                             count=max(1, count))
+
+    @staticmethod
+    def _absent(where: Where, code: str) -> Signal:
+        """A reading of an event rule without its signal (ends a run its rule counts)."""
+        return Signal(code=code, where=where, bad=False, kind=EVENT)
 
     # -- rules ------------------------------------------------------------------------------------
 
@@ -160,6 +172,8 @@ class GpuRules:
             yield self._event(gpu, where, "GPU_ECC_DBE",
                               f"volatile DBE count is {growth.current:.0f} (since the driver loaded or "
                               f"the GPU was last reset)", quiet, int(growth.current))
+        else:
+            yield self._absent(where, "GPU_ECC_DBE")
 
     def _sbe_storm(self, gpu: GpuSample, track: GpuTrack, where: Where, t: float) -> Iterator[Signal]:
         value = gpu.ecc.volatile_corrected
@@ -179,6 +193,8 @@ class GpuRules:
                               f"corrected ECC +{recent:.0f} in {duration_words(covered)} "
                               f"({rate:.1f}/min; the window before: {previous:.1f}/min)",
                               self.policy.counter_quiet_seconds, int(recent))
+        else:
+            yield self._absent(where, "GPU_SBE_STORM")
 
     def _remap(self, gpu: GpuSample, track: GpuTrack, where: Where, t: float) -> Iterator[Signal]:
         remap = gpu.remap
@@ -218,6 +234,8 @@ class GpuRules:
         if over:
             yield self._event(gpu, where, code, "; ".join(text for _, text in over),
                               self.policy.counter_quiet_seconds, int(sum(n for n, _ in over)))
+        elif any(finite(part.value) for part in parts):
+            yield self._absent(where, code)
 
     def _nvlink(self, gpu: GpuSample, track: GpuTrack, where: Where, t: float) -> Iterator[Signal]:
         errors = {k: v for k, v in (gpu.nvlink_errors or {}).items() if finite(v)}
@@ -247,12 +265,11 @@ class GpuRules:
             if since is None or since > t:
                 setattr(track, attr, t)
                 since = t
-            if t - since >= self.policy.throttle_sustain_seconds:
-                names = "/".join(sorted(str(r) for r in gpu.throttle_reasons if _reason(r) in reasons))
-                temp = f"; {gpu.temperature_c:.0f} C" if finite(gpu.temperature_c) else ""
-                power = f"; {gpu.power_w:.0f} W" if finite(gpu.power_w) else ""
-                yield self._condition(gpu, where, code, True,
-                                      f"{names} active for {duration_words(t - since)}{temp}{power}", "active")
+            names = "/".join(sorted(str(r) for r in gpu.throttle_reasons if _reason(r) in reasons))
+            temp = f"; {gpu.temperature_c:.0f} C" if finite(gpu.temperature_c) else ""
+            power = f"; {gpu.power_w:.0f} W" if finite(gpu.power_w) else ""
+            yield self._condition(gpu, where, code, True,
+                                  f"{names} active for {duration_words(t - since)}{temp}{power}", "active")
 
 
 def _n(value: Any) -> str:

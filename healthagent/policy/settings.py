@@ -1,4 +1,5 @@
-"""The operator's policy: XID action overrides, thresholds and disabled rules, from one YAML file.
+"""The operator's policy: XID action overrides, thresholds, per-code rules and disabled rules, from
+one YAML file.
 
 A policy file looks like this (every key optional; see ``docs/findings.md#policy-file`` and
 ``tests/fixtures/policy/policy-example.yaml``)::
@@ -8,6 +9,8 @@ A policy file looks like this (every key optional; see ``docs/findings.md#policy
     sxid:                # NVSwitch SXid number -> action (default monitor)
       12028: reboot_node
     disabled_rules: [GPU_POWER_THROTTLE]
+    findings:            # when a finding may open (debounce.py; parsed in debounce_file.py)
+      GPU_NVLINK_ERRORS: {count: 3, window: 10m, after_boot_grace: 15m}
     thresholds:
       incident_quiet_seconds: 180
       efa_rx_drops_per_minute: 500
@@ -30,6 +33,8 @@ from typing import Any, Mapping
 
 from healthagent.config import read_yaml
 from healthagent.model import Action
+from healthagent.policy.debounce import ALIASES, Rule, alias_default
+from healthagent.policy.debounce_file import Rules, built_in_rules, parse_rules
 from healthagent.policy.findings import DOCS, FINDING_CODES
 
 
@@ -50,7 +55,9 @@ THRESHOLDS: dict[str, Threshold] = {
     "xid_window_seconds": Threshold(3600, "seconds", "an XID incident below reboot_node drives the verdict this long after its last XID"),
     "xid_dedupe_seconds": Threshold(10, "seconds", "the same XID from kmsg and NVML within this many seconds counts once"),
     "max_incidents_per_gpu": Threshold(32, "count", "open XID incidents kept per GPU (oldest, mildest dropped first)"),
-    "condition_raise_evaluations": Threshold(1, "count", "consecutive bad evaluations before a condition (remap pending, lost GPU ...) is raised"),
+    # Two keys older files use for what is now a rule of the findings: table (debounce.py); their
+    # defaults are the table's, and setting one sets that field of every code it names.
+    "condition_raise_evaluations": Threshold(alias_default("condition_raise_evaluations"), "count", "consecutive bad evaluations before a condition (remap pending, lost GPU ...) is raised: the count of every condition's rule"),
     "condition_clear_evaluations": Threshold(3, "count", "consecutive good evaluations before a condition below reboot_node clears"),
     "counter_quiet_seconds": Threshold(300, "seconds", "a rate finding clears after this long under its threshold"),
     "counter_window_seconds": Threshold(3600, "seconds", "a counter-growth finding below reboot_node (DBE) drives the verdict this long after the last growth"),
@@ -63,7 +70,7 @@ THRESHOLDS: dict[str, Threshold] = {
     "nvlink_errors_per_minute": Threshold(0, "number", "NVLink replay+recovery errors per minute tolerated (DCGM: any growth)"),
     "nvlink_crc_errors_per_second": Threshold(100, "number", "NVLink CRC (flit+data) errors per second tolerated (DCGM: 100/s)"),
     "pcie_replay_per_minute": Threshold(8, "number", "PCIe replays per minute tolerated (DCGM: 8/min)"),
-    "throttle_sustain_seconds": Threshold(300, "seconds", "a HW thermal / power-brake slowdown must last this long to count"),
+    "throttle_sustain_seconds": Threshold(alias_default("throttle_sustain_seconds"), "seconds", "a HW thermal / power-brake slowdown must last this long to count: the sustain of both throttle rules"),
     "efa_unresponsive_remote_per_minute": Threshold(100, "number", "unresponsive_remote_events per minute tolerated (AWS EKS node monitoring agent: 100)"),
     "efa_impaired_remote_per_minute": Threshold(100, "number", "impaired_remote_conn_events per minute tolerated (AWS: 100)"),
     "efa_retrans_timeout_per_minute": Threshold(100, "number", "retrans_timeout_events per minute tolerated (AWS: 100)"),
@@ -74,7 +81,7 @@ THRESHOLDS: dict[str, Threshold] = {
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _NUMBER = re.compile(r"[0-9]{1,64}")  # ASCII digits only: str.isdigit() also takes "٩٤" and "²"
-TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds")
+TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings")
 # The driver's XID and SXid fields: the kernel-log parser reads at most nine digits (a longer
 # number is a malformed line), so a rule for a larger one could never match anything.
 MAX_XID = 999_999_999
@@ -93,6 +100,7 @@ class Policy:
     xid_actions: Mapping[int, Action] = field(default_factory=lambda: MappingProxyType({}))
     sxid_actions: Mapping[int, Action] = field(default_factory=lambda: MappingProxyType({}))
     disabled_rules: frozenset[str] = frozenset()
+    rules: Rules = field(default_factory=built_in_rules)  # when each finding may open
     source: str = ""  # the file it came from; "" = built-in defaults
 
     def __getattr__(self, name: str) -> float:
@@ -104,6 +112,10 @@ class Policy:
 
     def enabled(self, code: str) -> bool:
         return code not in self.disabled_rules
+
+    def rule(self, code: str) -> Rule:
+        """The effective rule of a finding code: the built-in table with the file's entries."""
+        return self.rules.rule(code)
 
 
 def _shown(key: Any) -> str:
@@ -194,8 +206,10 @@ def _disabled(raw: Any) -> frozenset[str]:
     return frozenset(out)
 
 
-def parse_policy(data: Any, source: str = "") -> Policy:
-    """Validate an already-parsed policy document (a mapping). Raises PolicyError."""
+def parse_policy(data: Any, source: str = "", readings: Mapping[str, float] | None = None) -> Policy:
+    """Validate an already-parsed policy document (a mapping). Raises PolicyError. ``readings``:
+    seconds between the readings of each kind (``debounce_file.reading_intervals``), which a
+    rule's window must be able to hold; None: that check is left out (nothing is read)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -210,17 +224,19 @@ def parse_policy(data: Any, source: str = "") -> Policy:
     thresholds = {k: t.default for k, t in THRESHOLDS.items()}
     for key, raw in raw_thresholds.items():
         thresholds[str(key)] = _threshold(str(key), raw)
+    aliases = {str(k): thresholds[str(k)] for k in raw_thresholds if str(k) in ALIASES}
     return Policy(
         thresholds=MappingProxyType(thresholds),
         xid_actions=_actions("xid", data.get("xid"), "XID"),
         sxid_actions=_actions("sxid", data.get("sxid"), "SXid"),
         disabled_rules=_disabled(data.get("disabled_rules")),
+        rules=parse_rules(data.get("findings"), aliases, readings),
         source=source,
     )
 
 
-def load_policy(path: str | None) -> Policy:
+def load_policy(path: str | None, readings: Mapping[str, float] | None = None) -> Policy:
     """The built-in policy, or the operator's file merged over it. Raises PolicyError."""
     if not path:
         return Policy()
-    return parse_policy(read_yaml(path, "policy", "--policy-file", PolicyError), source=path)
+    return parse_policy(read_yaml(path, "policy", "--policy-file", PolicyError), source=path, readings=readings)
