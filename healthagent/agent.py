@@ -127,7 +127,8 @@ class Agent:
 
     ``event_sources`` are read every cycle and hold the one read position the state file keeps
     (the kernel log); ``sources`` are the periodic ones; ``nvml`` is the queue NVML's event thread
-    fills. ``boot_id`` and the expected inventory are facts about the node, read by the wiring.
+    fills. ``boot_id``, ``boot_time`` and the expected inventory are facts about the node, read
+    by the wiring.
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class Agent:
         telemetry: Telemetry | None = None,
         intake: TrainingIntake | None = None,
         boot_id: str = "",
+        boot_time: float | None = None,
         expected_gpus: int | None = None,
         expected_efa_devices: int | None = None,
         wake: Doorbell | None = None,
@@ -155,7 +157,9 @@ class Agent:
         (``clock.DecisionClock`` in ``healthagent run``: it never jumps). ``wall`` is wall time,
         for what people read (the exporter's last-collection time); None: ``clock`` is both.
         ``node_clear`` reads an operator's clear not handled yet from the node watch's cache (a
-        fact about the node, handed to policy in the ``Collection``); None: no node to read."""
+        fact about the node, handed to policy in the ``Collection``); None: no node to read.
+        ``boot_time``: the node's boot on ``clock`` (None: unknown, so no rule's grace after the
+        boot applies)."""
         if len(event_sources) > 1:
             raise ValueError("one event source (the kernel log): the state file keeps one cursor")
         self.settings = settings
@@ -171,6 +175,7 @@ class Agent:
         self.wall = wall or clock
         self.node_clear = node_clear or (lambda: "")
         self.boot_id = boot_id
+        self.boot_time = boot_time
         self.expected_gpus = expected_gpus
         self.expected_efa_devices = expected_efa_devices
         self.wake = wake or Doorbell()
@@ -226,7 +231,7 @@ class Agent:
         if self.verdict is None or enriched or fresh_periodic or cleared:
             collection = Collection(
                 timestamp=now, gpus=gpus, xids=enriched, efa=efa,
-                health=tuple(self._health.values()), boot_id=self.boot_id,
+                health=tuple(self._health.values()), boot_id=self.boot_id, boot_time=self.boot_time,
                 expected_gpus=self.expected_gpus,
                 expected_efa_devices=self.expected_efa_devices, operator_clear=operator_clear,
                 # what the node showed when the operator cleared: the verdict published before

@@ -23,6 +23,7 @@ def collect_once(settings: Settings) -> Collection:
     from healthagent.wiring import build_sources, expected_inventory
 
     now = time.time()
+    boot_time = now - time.monotonic()  # on the same clock as now, measured without the wall clock
     expected = expected_inventory(settings)  # configured, else from the instance type
     sources = build_sources(settings).all()
     results = [source.collect(now) for source in sources]
@@ -34,6 +35,7 @@ def collect_once(settings: Settings) -> Collection:
     return Collection(
         timestamp=now, gpus=gpus, xids=xids, efa=tuple(s for r in results for s in r.efa),
         health=tuple(r.health for r in results), expected_gpus=expected[0], expected_efa_devices=expected[1],
+        boot_time=boot_time,
     )
 
 

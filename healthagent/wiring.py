@@ -103,7 +103,9 @@ def build_classifier(settings: Settings) -> Classifier:
     from healthagent.policy.classify import Classifier
     from healthagent.policy.settings import load_policy
 
-    policy = load_policy(settings.policy_file)
+    from healthagent.policy.debounce_file import reading_intervals
+
+    policy = load_policy(settings.policy_file, reading_intervals(settings))
     return Classifier(policy, load_catalog(policy))
 
 
@@ -226,6 +228,8 @@ class AgentRuntime:
             settings, sources=sources.scheduled, event_sources=[sources.kernel_log], nvml=sources.nvml,
             classifier=classifier, state=self.state, effects_worker=worker, telemetry=self.telemetry,
             intake=self.intake, boot_id=boot_id, expected_gpus=expected_gpus,
+            # the decision clock's epoch is the moment its monotonic clock read zero: the boot
+            boot_time=decision_clock.epoch if clock is decision_clock else None,
             expected_efa_devices=expected_efa_devices, wake=wake, clock=clock, wall=wall,
             data_waiter=sources.kernel_log.data_waiter,  # the kernel log wakes the loop when written
             node_clear=effects.pending_clear if effects is not None else None,
