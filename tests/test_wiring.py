@@ -79,3 +79,23 @@ def test_the_sources_are_what_the_settings_ask_for(tmp_path):
     finally:
         for source in sources.all():
             source.close()
+
+
+def test_policy_gets_the_boot_time_on_the_decision_clock_and_the_reading_intervals(tmp_path):
+    """The boot is the moment the decision clock's monotonic part read zero: its epoch, kept with
+    the boot id. A policy file whose window cannot hold its count at the configured interval
+    stops the build with the one line that names it."""
+    import pytest
+
+    from healthagent.policy.settings import PolicyError
+    from healthagent.wiring import build_classifier
+
+    with built(tmp_path, nvml="false", kube="off") as runtime:
+        assert runtime.agent.boot_time == runtime.state.get("clock")["epoch"]
+        assert runtime.agent.clock.epoch == runtime.agent.boot_time
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("findings:\n  EFA_RX_DROPS: {count: 3, window: 40s}\n", encoding="utf-8")
+    settings = load_settings(env={}, flags={"policy_file": str(policy), "efa_interval_seconds": "20"})
+    assert build_classifier(settings).policy.rule("EFA_RX_DROPS").window == 40.0
+    with pytest.raises(PolicyError, match=r"^findings.EFA_RX_DROPS.window: .* at least 60s"):
+        build_classifier(load_settings(env={}, flags={"policy_file": str(policy), "efa_interval_seconds": "30"}))
