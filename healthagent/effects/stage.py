@@ -46,7 +46,17 @@ TAINTED_STAGES = frozenset({CORDONED, HELD_BY_BUDGET, DISRUPTING, HANDED_OFF, RE
 CLEARED_HOLD_SECONDS = 600.0
 KARPENTER_DISRUPTED_TAINT = "karpenter.sh/disrupted"
 # Seconds a stay lasted: a minute to a day, the span between a grace and an engine's slowest repair.
-DURATION_BUCKETS = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
+DURATION_BUCKETS = (60.0, 300.0, 900.0, 1800.0, 3600.0, 14400.0, 86400.0)
+# The moves of the pipeline's usual paths: exported at 0 from the start, so that increase() sees
+# the first one (a counter series that appears at 1 shows no increase); rarer pairs appear when
+# they first happen.
+USUAL_MOVES = (
+    (HEALTHY, OBSERVING), (HEALTHY, CORDONED), (OBSERVING, HEALTHY), (OBSERVING, CORDONED),
+    (CORDONED, HELD_BY_BUDGET), (CORDONED, DISRUPTING), (CORDONED, HANDED_OFF), (CORDONED, CLEARED),
+    (HELD_BY_BUDGET, DISRUPTING), (HELD_BY_BUDGET, HANDED_OFF), (DISRUPTING, HANDED_OFF),
+    (DISRUPTING, REBOOTING), (DISRUPTING, CLEARED), (HANDED_OFF, CLEARED), (REBOOTING, CLEARED),
+    (CLEARED, HEALTHY),
+)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The remediation pipeline's families: the node's stage, its history, and the budget it waits on.
 
-Every stage is rendered (0 or 1) from the first snapshot, so a fleet view (``sum by (stage)``) and
-``changes()`` see a series before the first move; the transitions and durations are cumulative
-since the agent started (``effects/stage.py`` keeps them). Rendered from the snapshot like the
-rest: no I/O, no clock.
+Every stage is rendered (0 or 1) from the first snapshot, so a fleet view (``sum by (stage)``)
+sees a series before the first move. The transitions and durations are cumulative since the agent
+started (``effects/stage.py`` keeps them), and the usual moves and every stage's stays (but the
+healthy one's, which is no part of a remediation) are rendered at 0 from the start: ``increase()``
+counts nothing for a series that appears already at 1, so the first fault of a node would be
+missing from every rate. Rendered from the snapshot like the rest: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Callable, Iterator
 
 from prometheus_client.core import Metric
 
-from healthagent.effects.stage import DURATION_BUCKETS, STAGES
+from healthagent.effects.stage import DURATION_BUCKETS, HEALTHY, STAGES, USUAL_MOVES, Durations
 from healthagent.model import AgentSnapshot
 
 
@@ -31,15 +33,15 @@ def pipeline_families(snapshot: AgentSnapshot, family: Callable[[str], Metric]) 
         entered.add_metric([], float(history.entered_wall))
         yield entered
         transitions = family("remediation_stage_transitions_total")
-        for (before, after), count in sorted(history.transitions.items()):
-            transitions.add_metric([before, after], float(count))
+        for before, after in sorted(set(USUAL_MOVES) | set(history.transitions)):
+            transitions.add_metric([before, after], float(history.transitions.get((before, after), 0)))
         yield transitions
         durations = family("remediation_stage_duration_seconds")
+        bounds = [*(f"{b:g}" for b in DURATION_BUCKETS), "+Inf"]
         for name in STAGES:
-            stays = history.durations.get(name)
-            if stays is None:
+            if name == HEALTHY:
                 continue
-            bounds = [*(f"{b:g}" for b in DURATION_BUCKETS), "+Inf"]
+            stays = history.durations.get(name, Durations())
             durations.add_metric([name], list(zip(bounds, (float(n) for n in stays.buckets))), stays.total)
         yield durations
     kube = snapshot.kube

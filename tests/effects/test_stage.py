@@ -84,7 +84,7 @@ def test_a_stay_is_timed_on_the_decision_clock_into_cumulative_buckets():
     assert history.transitions == {("healthy", "cordoned"): 1, ("cordoned", "held_by_budget"): 1}
     stays = history.durations["cordoned"]
     assert (stays.count, stays.total) == (1, 400.0)
-    assert stays.buckets[DURATION_BUCKETS.index(300.0)] == 0 and stays.buckets[DURATION_BUCKETS.index(600.0)] == 1
+    assert stays.buckets[DURATION_BUCKETS.index(300.0)] == 0 and stays.buckets[DURATION_BUCKETS.index(900.0)] == 1
     assert stays.buckets[-1] == 1  # +Inf
     assert (history.stage, history.reason, history.entered_wall) == ("held_by_budget", "budget", 1400.0)
 
