@@ -1,7 +1,7 @@
 """Detection to taint: from an XID on the demo node to the agent's taint stored by the API server.
 
     .venv/bin/python -m bench.bench_detection [--runs 200] [--full-cycle-every 4]
-                                              [--paths kmsg,kmsg-device,nvml,both]
+                                              [--paths kmsg,nvml,both]
 
 Each run starts the real agent (``AgentRuntime``, what ``healthagent run`` starts) at default
 settings (NVML's XID event thread, the effects worker as it is) on a fresh demo node (8 x H100
@@ -10,15 +10,9 @@ the fake API server (``tests/support/kubefake.py``) seeded with 20 GPU nodes. On
 warm (first reconcile done, NVML event set built) it injects XID 95 on GPU 3:
 
   kmsg         the driver's record appended to the demo node's kernel log, a regular file
-               (``DemoNode.inject_xid(via="kmsg")``)
-  kmsg-device  the host root's ``dev/kmsg`` is the machine's real ``/dev/kmsg`` (a symlink), and the
-               record is written to it: the kernel stores it in its ring buffer and the agent reads
-               it from the character device. The kernel files every record written from user space
-               under facility ``user`` (it never lets user space write facility ``kern``); the
-               parser does not look at the facility, so the record is read as the driver's would
-               be. Needs root (``/dev/kmsg`` is writable by root only); the run starts after the
-               ring's newest record (a cursor of this boot is saved in the state file first), so
-               earlier runs' records are not read again.
+               (``DemoNode.inject_xid(via="kmsg")``); a record written to the machine's real
+               ``/dev/kmsg`` cannot stand in for it: the kernel files every record from user
+               space under facility ``user``, and the agent takes only the kernel's
   nvml         an XID event through the stub library (``via="nvml"``)
   both         both at once, as a real driver reports an XID (file + NVML)
 
@@ -42,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import shutil
 import tempfile
@@ -58,7 +51,6 @@ NODE = "gpu-node-0"
 TAINT_KEY = "healthagent.io/unhealthy"
 XID = 95
 GPU = 3
-DEV_KMSG = "/dev/kmsg"
 
 
 class CycleStart:
@@ -79,55 +71,6 @@ class CycleStart:
         self.source.close()
 
 
-def last_kmsg_seq() -> int:
-    """The sequence number of the newest record in the machine's /dev/kmsg."""
-    fd = os.open(DEV_KMSG, os.O_RDONLY | os.O_NONBLOCK)
-    last = 0
-    try:
-        while True:
-            try:
-                record = os.read(fd, 16384)
-            except BlockingIOError:
-                return last
-            except BrokenPipeError:
-                continue  # overwritten while read: read on
-            if not record:
-                return last
-            last = int(record.split(b",", 2)[1])
-    finally:
-        os.close(fd)
-
-
-def use_real_dev_kmsg(demo, state_file: Path) -> None:
-    """Point the demo root's dev/kmsg at the real device, give it this machine's boot id and save a
-    cursor after the ring's newest record, as a previous run of the agent would have."""
-    from healthagent.effects.state import StateStore
-    from healthagent.sources.kernel_log.cursor import KmsgCursor
-
-    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    (demo.root / "proc" / "sys" / "kernel" / "random" / "boot_id").write_text(boot_id + "\n")
-    demo.kernel_log.unlink()
-    os.symlink(DEV_KMSG, demo.kernel_log)
-    state = StateStore(str(state_file))
-    state.load()
-    state.put("kmsg_cursor", KmsgCursor(boot_id=boot_id, seq=last_kmsg_seq(),
-                                        path=str(demo.kernel_log)).to_dict())
-    state.put("boot_id", boot_id)
-    state.flush()
-
-
-def write_real_xid(demo, gpu: int, xid: int) -> None:
-    """The driver's XID line written to /dev/kmsg (a fresh descriptor: the kernel rate-limits
-    writes per open file)."""
-    pci = demo.gpu_pci_bus_ids[gpu].rsplit(".", 1)[0]
-    line = f"<4>NVRM: Xid (PCI:{pci}): {xid}, pid='<unknown>', name=<unknown>, Ch 00000008\n"
-    fd = os.open(DEV_KMSG, os.O_WRONLY)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-
-
 def one_run(path: str, full_cycle: bool, work: Path, cache: Path) -> tuple[float, float]:
     """(seconds to the stored taint, seconds to the agent's first API request after the XID)."""
     from healthagent.demo.node import build_demo_root
@@ -137,8 +80,6 @@ def one_run(path: str, full_cycle: bool, work: Path, cache: Path) -> tuple[float
     shutil.rmtree(work, ignore_errors=True)
     demo = build_demo_root(work / "root")
     use_stub_nvml(demo.scenario, cache / "healthagent")
-    if path == "kmsg-device":
-        use_real_dev_kmsg(demo, work / "state.json")
     with HoldingKubeFake() as fake:
         fake.seed_nodes(20)
         settings = load_settings(env={}, flags=dict(
@@ -166,10 +107,7 @@ def one_run(path: str, full_cycle: bool, work: Path, cache: Path) -> tuple[float
             else:
                 time.sleep(random.uniform(0.0, 0.1))
             injected = time.time()  # before the call: the agent may act before it returns
-            if path == "kmsg-device":
-                write_real_xid(demo, GPU, XID)
-            else:
-                demo.inject_xid(GPU, XID, via=path)
+            demo.inject_xid(GPU, XID, via=path)
             taint = wait_until(lambda: next((r for r in fake.requests("PATCH") if r.status == 200 and
                                              stored(r.method, r.path, r.body)), None),
                                what="the taint on the API server", interval=0.002)
@@ -192,14 +130,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200, help="runs per path")
     parser.add_argument("--full-cycle-every", type=int, default=4,
                         help="every Nth run injects during a full cycle (0: none)")
-    parser.add_argument("--paths", default="kmsg,kmsg-device,nvml,both")
+    parser.add_argument("--paths", default="kmsg,nvml,both")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     random.seed(1)
     paths = args.paths.split(",")
-    if "kmsg-device" in paths and not os.access(DEV_KMSG, os.W_OK):
-        print(f"{DEV_KMSG} is not writable here (needs root): the kmsg-device path is left out")
-        paths.remove("kmsg-device")
+    if "kmsg-device" in paths:
+        raise SystemExit("kmsg-device: a record written to /dev/kmsg from user space is facility user, which the "
+                         "agent never takes for the driver's; a driver XID cannot be injected that way")
     print(f"detection to taint, XID {XID} on GPU {GPU}, {args.runs} runs per path, every "
           f"{args.full_cycle_every or 'no'}th during a full cycle; {machine()}")
     rows = []
