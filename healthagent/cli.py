@@ -84,6 +84,19 @@ def _demo_gpu(text: str) -> int:
     return index
 
 
+def _xid_or_code(text: str) -> int | str:
+    """``explain``'s subject: an XID number, or a finding code in any case."""
+    from healthagent.policy.findings import FINDING_CODES
+
+    code = text.strip().upper()
+    if code in FINDING_CODES:
+        return code
+    if text.strip().lstrip("-").isdigit():
+        return _whole_number(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is neither an XID number nor a finding code; use e.g. 94 or "
+                                     "GPU_NVLINK_ERRORS (the codes: docs/findings.md)")
+
+
 def _whole_number(text: str) -> int:
     try:
         value = int(text)
@@ -162,8 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "dates the lines' kernel stamps, as check and run do")
     classify.add_argument("--policy-file", metavar="FILE", help="YAML policy overrides (default: none)")
 
-    explain = sub.add_parser("explain", help="what an XID means and what the agent does about it")
-    explain.add_argument("xid", type=_whole_number, help="the XID number, e.g. 94")
+    explain = sub.add_parser("explain", help="what an XID or a finding code means and what the agent does about it")
+    explain.add_argument("subject", type=_xid_or_code, metavar="XID|CODE",
+                         help="an XID number (e.g. 94), or a finding code (e.g. GPU_NVLINK_ERRORS) for the rule "
+                              "that opens it: the built-in one merged with the policy file")
     explain.add_argument("--policy-file", metavar="FILE", help="YAML policy overrides (default: none)")
     explain.add_argument("--config", help="YAML settings file (also HEALTHAGENT_CONFIG)")
     explain.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
@@ -228,11 +243,14 @@ def _setup_logging(level: str) -> None:
 
 # -- classify / explain ---------------------------------------------------------------------------
 
-def _catalog(policy_file: str | None):
+def _catalog(policy_file: str | None, settings: Settings | None = None):
+    """The policy and the catalog merged with it; with ``settings``, the rules' windows are checked
+    against the reading intervals as ``run`` checks them."""
     from healthagent.policy.catalog import load_catalog
+    from healthagent.policy.debounce_file import reading_intervals
     from healthagent.policy.settings import load_policy
 
-    policy = load_policy(policy_file)
+    policy = load_policy(policy_file, reading_intervals(settings) if settings is not None else None)
     return policy, load_catalog(policy)
 
 
@@ -269,12 +287,17 @@ def cmd_classify(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     """The XID, the agent's action and what the repair engines do with it, under the settings the
     agent has (HEALTHAGENT_* in its pod, the settings file, --set): the condition vocabulary and
-    HyperPod's labels decide which engine acts."""
+    HyperPod's labels decide which engine acts. A finding code: the rule that opens it, each
+    field saying whether it is built in or which key of the policy file set it."""
     from healthagent.policy.classify import explain
+    from healthagent.policy.explain_code import explain_code
 
     settings = _settings(args)
-    policy, catalog = _catalog(settings.policy_file)
-    print(explain(args.xid, catalog, policy, vocabulary=settings.condition_vocabulary,
+    policy, catalog = _catalog(settings.policy_file, settings)
+    if isinstance(args.subject, str):
+        print(explain_code(args.subject, policy))
+        return 0
+    print(explain(args.subject, catalog, policy, vocabulary=settings.condition_vocabulary,
                   hyperpod_labels=settings.hyperpod_labels))
     return 0
 

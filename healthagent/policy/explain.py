@@ -168,6 +168,11 @@ def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healt
                      "takes the most severe of its XIDs.")
     lines.append(f"Finding: GPU_XID, one per incident (XIDs on one GPU until "
                  f"{policy.incident_quiet_seconds:g} s of silence); {persistence(entry.action, policy)}")
+    from healthagent.policy.explain_code import xid_rule_line  # it builds on this module
+
+    tuned = xid_rule_line("GPU_XID", policy)
+    if tuned:
+        lines.append(tuned)
     if xid == RECOVERY_XID and not entry.overridden:
         lines.append("When the message says 'Node Reboot Required' (reboot_node):")
         lines += engine_lines(xid, Action.REBOOT_NODE, vocabulary, hyperpod_labels)
