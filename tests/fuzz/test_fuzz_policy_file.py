@@ -2,7 +2,7 @@
 
 Whatever the file says, ``load_policy`` returns a ``Policy`` or raises ``PolicyError`` whose text is
 one line (the key and the fix); no other exception escapes. Documents near the real schema (the
-four top-level keys, real threshold names, XID numbers and action words, with wrong types mixed
+top-level keys, real threshold names, XID numbers, action words, finding codes and durations, with wrong types mixed
 in) reach the validation of every field; random text and bytes reach the YAML parser's errors.
 """
 
@@ -41,6 +41,12 @@ near_schema = st.fixed_dictionaries({}, optional={
     "disabled_rules": st.one_of(st.lists(st.one_of(st.sampled_from(["GPU_POWER_THROTTLE", "EFA_RX_DROPS",
                                                                     "gpu_xid", "NOPE"]), anything), max_size=4),
                                 anything),
+    "findings": st.one_of(st.dictionaries(
+        st.one_of(st.sampled_from(["GPU_NVLINK_ERRORS", "gpu_xid", "GPU_THERMAL_THROTTLE", "NOPE"]), st.text(max_size=8)),
+        st.one_of(st.dictionaries(st.one_of(st.sampled_from(["count", "window", "sustain", "after_boot_grace"]),
+                                            st.text(max_size=6)),
+                                  st.one_of(numbers, st.sampled_from(["10m", "90s", "1h", "1.5m", "-5m", "5 m"])),
+                                  max_size=4), anything), max_size=3), anything),
     "unknown": anything,
 })
 

@@ -233,6 +233,16 @@ def test_the_window_a_count_needs_follows_the_configured_reading_interval():
         parse_policy(rule, readings={**READINGS, "efa": 30.0})
 
 
+def test_the_example_policy_file_sets_the_nvlink_rule():
+    from pathlib import Path
+
+    from healthagent.policy.settings import load_policy
+
+    example = Path(__file__).parents[1] / "fixtures" / "policy" / "policy-example.yaml"
+    assert load_policy(str(example), READINGS).rule("GPU_NVLINK_ERRORS") == Rule(count=3, window=600.0,
+                                                                                 after_boot_grace=900.0)
+
+
 def test_durations_accept_seconds_and_units():
     pol = parse_policy({"findings": {"GPU_LOST": {"sustain": 90, "after_boot_grace": "1h"},
                                      "GPU_MISSING": {"sustain": "90s", "after_boot_grace": "1.5m"},
