@@ -2,8 +2,9 @@
 
 Whatever the file says, ``load_policy`` returns a ``Policy`` or raises ``PolicyError`` whose text is
 one line (the key and the fix); no other exception escapes. Documents near the real schema (the
-top-level keys, real threshold names, XID numbers, action words, finding codes and durations, with wrong types mixed
-in) reach the validation of every field; random text and bytes reach the YAML parser's errors.
+top-level keys, real threshold names, XID numbers, action words, finding codes and durations,
+with wrong types mixed in) reach the validation of every field; random text and bytes reach the
+YAML parser's errors.
 """
 
 from __future__ import annotations
