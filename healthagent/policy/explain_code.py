@@ -52,18 +52,20 @@ def closes_words(code: str, policy: Policy) -> str:
         return (f"after {policy.condition_clear_evaluations:g} readings in a row without it "
                 "(condition_clear_evaluations)")
     quiet = _QUIET.get(code, "counter_quiet_seconds")
-    below = " when below reboot_node; a reboot_node or replace_node incident as for that action" if action is None else ""
+    below = (" when below reboot_node; a reboot_node or replace_node incident as for that action"
+             if action is None else "")
     return f"{duration_words(policy.thresholds[quiet])} after its last occurrence ({quiet}){below}"
 
 
 def explain_code(code: str, policy: Policy) -> str:
     info = FINDINGS[code]
     reads = row(code).reads
+    kind = "a condition" if row(code).condition else "an event"
     lines = [f"{code}: {info.title}",
              "Action: " + (info.action.value if info.action is not None else
                            "the XID catalog's, per XID (`healthagent explain XID`)"),
              "Signal: " + ("an event, logged at one moment" if reads == EVENTS else
-                           ("a condition" if row(code).condition else "an event") + f", judged at {READING_WORDS[reads]}")]
+                           f"{kind}, judged at {READING_WORDS[reads]}")]
     lines += rule_lines(code, policy)
     lines.append(f"Closes: {closes_words(code, policy)}")
     example = "count: 3, window: 10m, " + ("" if reads == EVENTS else "sustain: 5m, ") + "after_boot_grace: 15m"
