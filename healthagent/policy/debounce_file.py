@@ -45,9 +45,20 @@ class Rules:
 
     by_code: Mapping[str, Rule]
     origins: Mapping[str, Mapping[str, str]]
+    counting: frozenset[str] = frozenset()  # the codes whose rule is not "at once" (``counts``)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "counting", frozenset(c for c, r in self.by_code.items() if not r.at_once))
 
     def rule(self, code: str) -> Rule:
-        return self.by_code.get(code, row(code).rule)
+        rule = self.by_code.get(code)
+        return rule if rule is not None else row(code).rule
+
+    def counts(self, code: str) -> bool:
+        """The code's rule remembers readings (a count or a sustain): only then does a reading
+        without the signal matter, and only then do the rules report one (32 EFA ports x 7
+        counters a collection would otherwise be that many signals nobody reads)."""
+        return code in self.counting
 
     def origin(self, code: str, name: str) -> str:
         return self.origins.get(code, {}).get(name, BUILT_IN_ORIGIN)

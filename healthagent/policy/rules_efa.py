@@ -106,7 +106,8 @@ def _signal(code: str, device: str, evidence: str, quiet: float, count: int) -> 
 
 
 def _absent(code: str, device: str) -> Signal:
-    """A reading without the code's signal (ends a run its rule counts)."""
+    """A reading without the code's signal (ends a run its rule counts; sent only for a rule
+    that counts, ``Rules.counts``)."""
     return Signal(code=code, where=Where(efa_device=device), bad=False, kind=EVENT)
 
 
@@ -138,7 +139,7 @@ class EfaRules:
                 evidence = (f"{'+'.join(names)} +{increase} in {duration_words(covered)} "
                             f"(limit {per_minute:g}/min)")
                 yield _signal(code, sample.device, evidence, self.policy.counter_quiet_seconds, increase)
-            else:
+            elif self.policy.rules.counts(code):
                 yield _absent(code, sample.device)
 
     def _admin_queue(self, device: str, counters: dict[str, Any], track: EfaTrack, t: float) -> Iterator[Signal]:
@@ -158,6 +159,7 @@ class EfaRules:
         elif growth.without_baseline > 0:
             evidence = f"{ADMIN_QUEUE} is {current} (since the driver loaded)"
         else:
-            yield _absent("EFA_ADMIN_QUEUE_STUCK", device)
+            if self.policy.rules.counts("EFA_ADMIN_QUEUE_STUCK"):
+                yield _absent("EFA_ADMIN_QUEUE_STUCK", device)
             return
         yield _signal("EFA_ADMIN_QUEUE_STUCK", device, evidence, self.policy.counter_quiet_seconds, 1)

@@ -141,10 +141,11 @@ class GpuRules:
         return self._signal(gpu, where, code, evidence, bad=True, kind=EVENT, quiet_seconds=quiet,
                             count=max(1, count))
 
-    @staticmethod
-    def _absent(where: Where, code: str) -> Signal:
-        """A reading of an event rule without its signal (ends a run its rule counts)."""
-        return Signal(code=code, where=where, bad=False, kind=EVENT)
+    def _absent(self, where: Where, code: str) -> Iterator[Signal]:
+        """A reading of an event rule without its signal (ends a run its rule counts), when the
+        code's rule counts runs at all."""
+        if self.policy.rules.counts(code):
+            yield Signal(code=code, where=where, bad=False, kind=EVENT)
 
     # -- rules ------------------------------------------------------------------------------------
 
@@ -173,7 +174,7 @@ class GpuRules:
                               f"volatile DBE count is {growth.current:.0f} (since the driver loaded or "
                               f"the GPU was last reset)", quiet, int(growth.current))
         else:
-            yield self._absent(where, "GPU_ECC_DBE")
+            yield from self._absent(where, "GPU_ECC_DBE")
 
     def _sbe_storm(self, gpu: GpuSample, track: GpuTrack, where: Where, t: float) -> Iterator[Signal]:
         value = gpu.ecc.volatile_corrected
@@ -194,7 +195,7 @@ class GpuRules:
                               f"({rate:.1f}/min; the window before: {previous:.1f}/min)",
                               self.policy.counter_quiet_seconds, int(recent))
         else:
-            yield self._absent(where, "GPU_SBE_STORM")
+            yield from self._absent(where, "GPU_SBE_STORM")
 
     def _remap(self, gpu: GpuSample, track: GpuTrack, where: Where, t: float) -> Iterator[Signal]:
         remap = gpu.remap
@@ -235,7 +236,7 @@ class GpuRules:
             yield self._event(gpu, where, code, "; ".join(text for _, text in over),
                               self.policy.counter_quiet_seconds, int(sum(n for n, _ in over)))
         elif any(finite(part.value) for part in parts):
-            yield self._absent(where, code)
+            yield from self._absent(where, code)
 
     def _nvlink(self, gpu: GpuSample, track: GpuTrack, where: Where, t: float) -> Iterator[Signal]:
         errors = {k: v for k, v in (gpu.nvlink_errors or {}).items() if finite(v)}
