@@ -16,7 +16,7 @@ the control plane's admin certificate (a kubeconfig; the agent's own RBAC is tes
 every event stamped as it arrives), so no measurement waits on a poll interval.
 
 1. XID line -> taint: once the agent is warm (first reconcile written, its node watch up), wait a
-   random 0-100 ms (the injection lands anywhere in the 0.1 s kernel-log poll), append the
+   random 0-100 ms (the injection lands anywhere between the agent's reads), append the
    driver's XID 94 record to the kernel log (``DemoNode.inject_xid``), and stop the clock when the
    bench's watch delivers the node carrying the agent's taint. Then clear: annotate the node
    ``healthagent.io/clear=<a new token>``, wait until the taint is gone and the agent has applied
@@ -234,7 +234,10 @@ class Bed:
                  node_name=self.name, state_file=str(work / part / "state.json"), listen="127.0.0.1:0",
                  log_level="INFO"),
             work / part / "agent.log",
-            env={"HEALTHAGENT_BUDGET_NODE_SELECTOR": self.cluster.budget_selector})
+            env={"HEALTHAGENT_BUDGET_NODE_SELECTOR": self.cluster.budget_selector,
+                 # the budget's Leases in the namespace the cluster made for them (outside a pod the
+                 # agent would use "healthagent", which this control plane does not have: 404s)
+                 "HEALTHAGENT_BUDGET_NAMESPACE": self.cluster.budget_namespace})
         self.tokens = 0
         self.xids = 0
         try:
