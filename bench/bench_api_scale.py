@@ -15,10 +15,7 @@ one ``NodeEffects`` per node (the agent's Kubernetes side, each with its own API
 own pod would have), starts them, and then lets them all fault at once: released together by a
 barrier, each waits a random 0-``--spread`` s and reconciles an XID 95 verdict (``replace_node``)
 with ``budget_max_fraction=0.1``, ``budget_max_nodes=--budget`` and a NoExecute grace of 0 (the
-worst case: a node with a slot is taken out at once, as HyperPod would replace it at once). Code
-that has the late re-count of the earlier, list-based budget (``budget_recount_at``) gets that
-second round too, as its agents would 15-45 s later, so its figures include every list the
-protocol makes.
+worst case: a node with a slot is taken out at once, as HyperPod would replace it at once).
 
 What is reported, per fleet size, over all runs:
 - nodes taken out at the end of each run (the agent's NoExecute: must be exactly the budget), the
@@ -252,7 +249,6 @@ class Run:
     bytes_per_decision: float
     requests_per_decision: dict[str, float]
     decision_seconds: list[float]
-    second_round_seconds: list[float]
     list_get_bytes: dict[str, float]
 
 
@@ -318,17 +314,6 @@ def one_run(plane: ControlPlane, fleet: list[str], bodies: dict[str, dict], args
 
         with ThreadPoolExecutor(len(agents)) as pool:
             seconds = list(pool.map(decide, range(len(agents))))
-        second: list[float] = []
-        late = [effects for effects in agents if getattr(effects, "budget_recount_at", None) is not None]
-        if late:  # the list-based budget: its late re-count, as 15-45 s later
-
-            def recount(effects) -> float:
-                begin = time.monotonic()
-                effects.reconcile(verdict, effects.budget_recount_at, "boot-1")
-                return time.monotonic() - begin
-
-            with ThreadPoolExecutor(len(late)) as pool:
-                second = list(pool.map(recount, late))
         after = scrape(plane)
         watch.caught_up(fleet[0] if fleet[0] not in names else next(n for n in fleet if n not in names), "end")
         taken_out, held, most = len(watch.taken_out), len(watch.held), watch.most
@@ -347,19 +332,16 @@ def one_run(plane: ControlPlane, fleet: list[str], bodies: dict[str, dict], args
     run = Run(taken_out=taken_out, most_taken_out=most, held=held,
               slot_holders=None if holders is None else len(holders), holders_taken_out=match,
               bytes_per_decision=sum(sizes.values()) / args.agents,
-              requests_per_decision=requests, decision_seconds=seconds, second_round_seconds=second,
+              requests_per_decision=requests, decision_seconds=seconds,
               list_get_bytes=sizes)
     return run, names
 
 
 def count_cost(plane: ControlPlane) -> float:
-    """Bytes of the shared GPU node count's one LIST (a Table without the objects); 0 for code
-    without it (the list-based budget counts on every decision instead)."""
-    try:
-        from healthagent.effects.backend import ApiBackend
-        from healthagent.effects.budget_leases import LeaseStore
-    except ImportError:
-        return 0.0
+    """Bytes of the shared GPU node count's one LIST (a Table without the objects)."""
+    from healthagent.effects.backend import ApiBackend
+    from healthagent.effects.budget_leases import LeaseStore
+
     before = scrape(plane)
     LeaseStore(ApiBackend(plane.api_client(), "bench"), NAMESPACE).count_nodes(GPU_SELECTOR)
     return sum(v for (metric, verb, resource), v in delta(scrape(plane), before).items()
@@ -433,7 +415,6 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> None:
     for size, result in sorted(results.items()):
         runs = [Run(**r) for r in result["runs"]]
         seconds = [s for r in runs for s in r.decision_seconds]
-        second = [s for r in runs for s in r.second_round_seconds]
         per_bytes = sorted(r.bytes_per_decision for r in runs)
         requests: dict[str, float] = {}
         for r in runs:
@@ -450,7 +431,6 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> None:
             f"{per_bytes[len(per_bytes) // 2] / 1e3:,.1f} kB ({per_bytes[0] / 1e3:,.1f}-{per_bytes[-1] / 1e3:,.1f})",
             f"{sum(requests.values()):.1f}",
             f"{percentile(seconds, 0.5) * 1000:.0f} / {percentile(seconds, 0.99) * 1000:.0f} ms",
-            f"{percentile(second, 0.5) * 1000:.0f} / {percentile(second, 0.99) * 1000:.0f} ms" if second else "-",
             f"{count / 1e3:,.1f} kB" if count else "-",
         ])
         print(f"\n{size} nodes, requests per decision (mean of {len(runs)} runs):")
@@ -458,7 +438,7 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> None:
     print()
     print(table(["nodes", "Node object", f"taken out: NoExecute (budget {args.budget})", "held at NoSchedule",
                  "slot holders", "bytes per decision (median, range)",
-                 "requests / decision", "decision p50 / p99", "late re-count p50 / p99", "GPU node count (once)"],
+                 "requests / decision", "decision p50 / p99", "GPU node count (once)"],
                 rows))
     sizes = sorted(results)
     if len(sizes) >= 2:

@@ -13,7 +13,7 @@ stop request):
   truncation; also after it is renamed away, so the rest of a rotated log is drained) and on its
   directory for its name (a new file put at the path: rotation) (``InotifyWaiter``). Where inotify
   cannot be had (no such call in the C library, the per-user limit of inotify instances reached),
-  the reader offers no waiter and the loop polls every ``kmsg_poll_seconds``, as before.
+  the reader offers no waiter and the loop polls every ``kmsg_poll_seconds``.
 - the ring through ``syslog(2)``: nothing to wait on; it is read at most every ``poll_seconds``
   anyway, so the loop is woken on that tick (``TickWaiter``).
 
