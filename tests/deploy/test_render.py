@@ -20,6 +20,7 @@ import yaml
 from healthagent import __version__
 from tests.support.deploy import (
     COMPONENTS,
+    compatible_components,
     DEPLOY,
     OVERLAYS,
     REPO,
@@ -98,7 +99,7 @@ def test_every_builtin_object_is_valid_kubernetes(rendered, overlay, version):
     assert schema_errors(rendered[overlay], version) == []
 
 
-@pytest.mark.parametrize("components", [[c] for c in COMPONENTS] + [list(COMPONENTS)])
+@pytest.mark.parametrize("components", [[c] for c in COMPONENTS] + [compatible_components()])
 def test_components_render_valid_on_every_overlay(kubectl, tmp_path, components):
     for overlay in OVERLAYS:
         objects = render(overlay_with_components(tmp_path / overlay, overlay, components), kubectl)
@@ -232,3 +233,9 @@ def test_network_policy_component_opens_the_intake_and_keeps_metrics_for_prometh
 def test_the_example_training_pod_is_valid_kubernetes(version):
     pod = yaml.safe_load((REPO / "examples" / "training-pod.yaml").read_text(encoding="utf-8"))
     assert schema_errors([pod], version) == []
+
+
+def test_every_component_folder_is_rendered_by_the_tests():
+    """A new folder under deploy/components/ is in COMPONENTS, so every render test covers it."""
+    folders = {d.name for d in (DEPLOY / "components").iterdir() if (d / "kustomization.yaml").exists()}
+    assert folders == set(COMPONENTS)

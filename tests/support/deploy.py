@@ -24,7 +24,16 @@ from tests.support import oldest_kubectl
 REPO = Path(__file__).resolve().parent.parent.parent
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("generic", "hyperpod", "dry-run", "eks-node-repair")
-COMPONENTS = ("nvidia-runtime-class", "podmonitor", "privileged-kernel-log", "network-policy")
+COMPONENTS = ("nvidia-runtime-class", "podmonitor", "privileged-kernel-log", "network-policy",
+              "network-policy-training-pods")
+# Components that are alternatives to each other: an install takes at most one of each group.
+ALTERNATIVES = (("network-policy", "network-policy-training-pods"),)
+
+
+def compatible_components() -> list[str]:
+    """Every component an install can take together: the first of each group of alternatives."""
+    left_out = {name for group in ALTERNATIVES for name in group[1:]}
+    return [name for name in COMPONENTS if name not in left_out]
 RENDER_TIMEOUT_SECONDS = 120
 # libyaml's safe loader where PyYAML has it: an overlay is 270 KB of YAML (the dashboards), which
 # the pure-Python loader takes half a second to read.
