@@ -85,9 +85,15 @@ dashboard = build_dashboard(
                         target(f"max by (scope) ({sel('healthagent_budget_limit')})", "{{scope}} limit")],
                        step=True),
             timeseries("Hand-offs per engine", "Nodes in the hands of each engine (the reason of the "
-                       "handed_off stage: drain, karpenter, hyperpod, node-repair).",
+                       "handed_off stage: drain, karpenter, hyperpod, node-repair), and how long the engine "
+                       "has had the oldest of them: a replaced node's last value is how long its engine took.",
                        [target(f"sum by (reason) ({sel('healthagent_remediation_stage_info', HANDED_OFF)})",
-                               "{{reason}} nodes")], step=True),
+                               "{{reason}} nodes"),
+                        target(f"max by (reason) (time() - "
+                               f"{sel('healthagent_remediation_stage_entered_timestamp_seconds')}"
+                               f" * on (node) group_right max by (node, reason) "
+                               f"({sel('healthagent_remediation_stage_info', HANDED_OFF)}))",
+                               "{{reason}} oldest (s)")], step=True),
             timeseries("Clears and conditions owned elsewhere", "Nodes cleared per interval (taint removed: "
                        "healed or an operator's clear), and nodes whose condition another writer keeps.",
                        [target(f"sum(increase({sel('healthagent_remediation_stage_transitions_total', TO_CLEARED)}"

@@ -68,6 +68,7 @@ KNOWN_EMPTY: dict[tuple[str, str], str] = {
     ("remediation.json", "Budget per scope / A"): "an agent in dry-run never reads the budget's Leases",
     ("remediation.json", "Budget per scope / B"): "an agent in dry-run never reads the budget's Leases",
     ("remediation.json", "Hand-offs per engine / A"): "no engine has the demo node (it is cordoned)",
+    ("remediation.json", "Hand-offs per engine / B"): "no engine has the demo node (it is cordoned)",
 }
 
 

@@ -117,6 +117,8 @@ def test_the_dashboard_follows_a_scripted_incident_stage_by_stage(tmp_path, fake
     step(XID95, T0 + 900, "handed_off", "drain")
     wait_for(lambda: [r["metric"].get("reason") for r in prom.query(panel("Hand-offs per engine"))] == ["drain"],
              timeout=60, what="the hand-off per engine")
+    (oldest,) = prom.query(panel("Hand-offs per engine", "B"))  # how long the engine has had it
+    assert oldest["metric"] == {"reason": "drain"} and float(oldest["value"][1]) >= 0
     fake.update_node(NODE, lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "ticket-7"}))
     effects.reconcile(XID95, T0 + 2000, "boot-1")  # the resync reads the clear (no watch here)
     step(cleared_by("ticket-7"), T0 + 2001, "cleared", "taint_removed")
