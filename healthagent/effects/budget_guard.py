@@ -449,7 +449,12 @@ class BudgetGuard:
     def _failure(self, exc: ApiError, message: str) -> None:
         """The API's condition when it did not answer; the setup's fault (``rejected_403``: no
         RBAC for leases, or the admission policy refused) when it refused."""
-        if isinstance(exc, ApiRejected):
+        if isinstance(exc, ApiRejected) and exc.status == 404 and self._store is not None:
+            # a Lease write answered "not found": its namespace does not exist
+            self._tally.count("rejected_404", f"node={self._node} {message}; is there a namespace "
+                                              f"{self._store.namespace!r}? set budget_namespace to the one "
+                                              "the agent runs in")
+        elif isinstance(exc, ApiRejected):
             self._tally.count(f"rejected_{exc.status}", f"node={self._node} {message}")
         else:
             self._tally.count("budget_count_failed", message)

@@ -253,3 +253,23 @@ def test_the_gpu_nodes_are_counted_as_a_table_of_the_selected_nodes(control_plan
         assert store.count_nodes(f"{cluster.budget_selector},nvidia.com/gpu.present=false") == 0
     finally:
         cluster.close()
+
+
+def test_a_budget_namespace_that_does_not_exist_holds_the_node_and_says_which(control_plane, unique_name, tmp_path,
+                                                                               caplog):
+    """A Lease create in a namespace the cluster lacks is a 404: the node is held at NoSchedule,
+    and the log line names the namespace and the setting that fixes it."""
+    cluster = RealCluster(control_plane, unique_name("nons") + "-")
+    try:
+        names = cluster.seed(3)
+        effects = start_effects(settings_for(tmp_path, names[0], budget_node_selector=cluster.budget_selector,
+                                             budget_namespace="no-such-namespace",
+                                             replace_noexecute_grace_seconds=0.0), cluster)
+        effects.startup(T0 - 1, "boot-1")
+        with caplog.at_level("WARNING"):
+            status = effects.reconcile(XID95, T0, "boot-1")
+        assert status.budget_blocked and status.taint_effect == "NoSchedule"
+        assert effects.errors.get("rejected_404", 0) >= 1
+        assert "is there a namespace 'no-such-namespace'? set budget_namespace" in caplog.text
+    finally:
+        cluster.close()
