@@ -37,6 +37,7 @@ from healthagent.model import (
     EfaSample,
     GpuSample,
     KubeStatus,
+    RdmaPort,
     SourceHealth,
     Verdict,
     XidCount,
@@ -225,12 +226,13 @@ class Agent:
                 fresh_periodic = True
         gpus = self._latest_gpus()
         efa = tuple(s for item in self.scheduled if item.last for s in item.last.efa)
+        rdma = tuple(p for item in self.scheduled if item.last for p in item.last.rdma)
         enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
         operator_clear = self.node_clear()  # a fact about the node object, from the watch's cache
         cleared = bool(operator_clear) and operator_clear != self.classifier.clear_token
         if self.verdict is None or enriched or fresh_periodic or cleared:
             collection = Collection(
-                timestamp=now, gpus=gpus, xids=enriched, efa=efa,
+                timestamp=now, gpus=gpus, xids=enriched, efa=efa, rdma=rdma,
                 health=tuple(self._health.values()), boot_id=self.boot_id, boot_time=self.boot_time,
                 expected_gpus=self.expected_gpus,
                 expected_efa_devices=self.expected_efa_devices, operator_clear=operator_clear,
@@ -254,7 +256,7 @@ class Agent:
         if self._saved_at is None or not 0 <= now - self._saved_at < self.settings.state_save_interval_seconds:
             self._persist(now, _findings_signature(self.verdict))  # counter histories, cursor over noise
         self.cycles += 1
-        self._publish(now, gpus, efa)
+        self._publish(now, gpus, efa, rdma)
         return self.verdict
 
     def _collect(self, source: Source, now: float) -> SourceResult:
@@ -313,7 +315,8 @@ class Agent:
         if self.effects_worker is not None:
             self.effects_worker.submit(verdict, tuple(self._health.values()))
 
-    def _publish(self, now: float, gpus: tuple[GpuSample, ...], efa: tuple[EfaSample, ...]) -> None:
+    def _publish(self, now: float, gpus: tuple[GpuSample, ...], efa: tuple[EfaSample, ...],
+                 rdma: tuple[RdmaPort, ...] = ()) -> None:
         kube = self.kube_status
         stage, reason = stage_of(self.verdict, kube.taint_effect, kube.budget_blocked,
                                  NodeSide(kube.taint_action, kube.disruptive, kube.engine), self.stage, now,
@@ -322,7 +325,7 @@ class Agent:
         if self.telemetry is None:
             return
         self.telemetry.publish(AgentSnapshot(
-            timestamp=self.wall(), gpus=gpus, efa=efa, xid_counts=self.xids.snapshot(), stage=self.stage,
+            timestamp=self.wall(), gpus=gpus, efa=efa, rdma=rdma, xid_counts=self.xids.snapshot(), stage=self.stage,
             health=tuple(self._health.values()), verdict=self.verdict, kube=kube,
             ready=self.ready, expected_gpus=self.expected_gpus,
             expected_efa_devices=self.expected_efa_devices,

@@ -34,6 +34,7 @@ def collect_once(settings: Settings) -> Collection:
     xids = tuple(enrich_xid(x, gpus) for r in results for x in r.xids)
     return Collection(
         timestamp=now, gpus=gpus, xids=xids, efa=tuple(s for r in results for s in r.efa),
+        rdma=tuple(p for r in results for p in r.rdma),
         health=tuple(r.health for r in results), expected_gpus=expected[0], expected_efa_devices=expected[1],
         boot_time=boot_time,
     )
@@ -66,6 +67,7 @@ def check_exit_code(verdict, nvml_asked: bool) -> int:
 
 _UNOBSERVED_WORDS = {"gpu": ("GPUs could not be observed", ("nvml", "dcgm")),
                      "efa": ("EFA devices could not be observed", ("efa",)),
+                     "rdma": ("InfiniBand/RoCE ports could not be observed", ("rdma",)),
                      "kernel_log": ("The kernel log could not be read", ("kmsg",))}
 
 

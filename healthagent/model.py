@@ -215,6 +215,51 @@ class EfaSample:
 
 
 @dataclass(frozen=True)
+class RdmaPort:
+    """One port of an InfiniBand or RoCE (mlx5 and other non-EFA) RDMA device, as read from sysfs.
+
+    ``state_id``/``phys_state_id`` are the numbers of the kernel's ``"4: ACTIVE"``/``"5: LinkUp"``
+    text (``state``/``phys_state`` keep the words); ``rate_gbps`` is the rate file's number
+    (``"400 Gb/sec (4X NDR)"`` -> 400.0), None when it could not be read. ``counters`` holds the
+    IB PortCounters (``counters/*``, and the older ``counters_ext/*``) by file name, as the file
+    says (the data counters in 4-octet words); ``hw_counters`` the driver's own counters
+    (``hw_counters/*``: out_of_buffer, np_cnp_sent, ...), the device's merged under the port's.
+    ``netdev`` is the port's network interface (``ib0``, ``ens1f0np0``; "" when it has none) and
+    ``gpus`` the canonical PCI ids of the GPUs behind the same PCIe switch.
+    """
+
+    device: str
+    port: int
+    state_id: int
+    phys_state_id: int
+    state: str = ""
+    phys_state: str = ""
+    link_layer: str = ""  # "InfiniBand" or "Ethernet" (RoCE)
+    rate_gbps: float | None = None
+    rate_text: str = ""
+    pci_bus_id: str = ""
+    driver: str = ""
+    board_id: str = ""
+    fw_ver: str = ""
+    hca_type: str = ""
+    netdev: str = ""
+    gpus: tuple[str, ...] = ()
+    counters: Mapping[str, int] = field(default_factory=dict)
+    hw_counters: Mapping[str, int] = field(default_factory=dict)
+    timestamp: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """``mlx5_0/1``: the port as findings, logs and people name it."""
+        return f"{self.device}/{self.port}"
+
+    @property
+    def up(self) -> bool:
+        """ACTIVE (or ACT_DEFER) and the physical link up (or recovering from an error)."""
+        return self.state_id in (4, 5) and self.phys_state_id in (5, 6)
+
+
+@dataclass(frozen=True)
 class SourceHealth:
     """How one source did in its last collection; exported as source_up/source_errors_total."""
 
@@ -238,6 +283,7 @@ class Collection:
     gpus: tuple[GpuSample, ...] = ()
     xids: tuple[XidEvent, ...] = ()
     efa: tuple[EfaSample, ...] = ()
+    rdma: tuple[RdmaPort, ...] = ()
     health: tuple[SourceHealth, ...] = ()
     boot_id: str = ""
     # When the node booted, on the clock of ``timestamp`` (the decision clock: its epoch, the
@@ -423,6 +469,7 @@ class AgentSnapshot:
     timestamp: float
     gpus: tuple[GpuSample, ...] = ()
     efa: tuple[EfaSample, ...] = ()
+    rdma: tuple[RdmaPort, ...] = ()
     xid_counts: tuple[XidCount, ...] = ()
     health: tuple[SourceHealth, ...] = ()
     verdict: Verdict | None = None

@@ -69,6 +69,7 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
     the decision clock that NVML's events and the kernel log's records are stamped on (None: each
     source's own, for a one-off collection)."""
     from healthagent.sources.efa import EfaSource
+    from healthagent.sources.rdma import RdmaSource
     from healthagent.sources.kernel_log.source import KmsgSource
 
     # Periodic sources run under a deadline (DeadlineSource): a wedged driver or filesystem must
@@ -84,6 +85,9 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
         # The loop drains nvml.take_events() itself (a queue, never a driver call).
         scheduled.append(Scheduled(DeadlineSource(nvml, deadline), settings.nvml_interval_seconds))
     scheduled.append(Scheduled(DeadlineSource(EfaSource(settings.host_root), deadline),
+                               settings.efa_interval_seconds))
+    # InfiniBand/RoCE ports live in the same class directory: read on the same interval.
+    scheduled.append(Scheduled(DeadlineSource(RdmaSource(settings.host_root), deadline),
                                settings.efa_interval_seconds))
     if settings.dcgm_url:
         from healthagent.sources.dcgm import DcgmSource

@@ -90,6 +90,14 @@ EKS_REASONS: dict[str, tuple[str, str]] = {
     "EFA_RETRANS_TIMEOUT": ("EFAErrorMetric", NMA),
     "EFA_RX_DROPS": ("EFAErrorMetric", NMA),
     "EFA_WR_ERRORS": ("EFAErrorMetric", NMA),
+    "RDMA_PORT_DOWN": ("RDMAPortDown", COINED),
+    "RDMA_PORT_DEGRADED": ("RDMAPortDegraded", COINED),
+    "RDMA_LINK_FLAPPING": ("RDMALinkFlapping", COINED),
+    "RDMA_SYMBOL_ERRORS": ("RDMAErrorMetric", COINED),
+    "RDMA_LINK_ERRORS": ("RDMAErrorMetric", COINED),
+    "RDMA_RCV_ERRORS": ("RDMAErrorMetric", COINED),
+    "RDMA_XMIT_DISCARDS": ("RDMAErrorMetric", COINED),
+    "RDMA_DEVICE_MISSING": ("RDMADeviceMissing", COINED),
 }
 XID_REASON = re.compile(r"NvidiaXID\d{0,5}Error")
 CODE_REASON = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")  # a finding code: GPU_XID, EFA_RX_DROPS
@@ -97,8 +105,12 @@ _NAMED_XID = re.compile(r"\(XID (\d{1,5}),")
 
 
 def area_of(code: str) -> str:
-    """The area a finding code belongs to: EFA_* -> efa, everything else (GPU, NVSwitch) -> gpu."""
-    return EFA_AREA if code.startswith("EFA_") else GPU_AREA
+    """The area a finding code belongs to: the node's network fabric (EFA_*, and RDMA_* for
+    InfiniBand/RoCE ports) -> efa, everything else (GPU, NVSwitch) -> gpu. RDMA findings share the
+    networking condition (``EfaHealthy``, ``NetworkingReady``) rather than a type of their own: the
+    engines that repair nodes act on ``NetworkingReady`` alone, and the admission policy admits the
+    agent's two types only (docs/design.md, "InfiniBand and RoCE ports")."""
+    return EFA_AREA if code.startswith(("EFA_", "RDMA_")) else GPU_AREA
 
 
 def deciding_xid(finding: Finding) -> int | None:

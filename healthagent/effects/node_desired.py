@@ -90,7 +90,7 @@ def health_value(action: Action, unobserved: bool = False) -> str:
 
 
 def condition_of(code: str, vocab: Vocabulary = DEFAULT) -> str:
-    """Which condition a finding code belongs to: EFA_* -> EfaHealthy (NetworkingReady), everything
+    """Which condition a finding code belongs to: EFA_* and RDMA_* -> EfaHealthy (NetworkingReady), everything
     else GpuHealthy (AcceleratedHardwareReady)."""
     return vocab.type_of(area_of(code))
 
@@ -104,6 +104,8 @@ def observed_by(code: str) -> tuple[str, ...]:
         return ("gpu", "efa", "kernel_log")
     if code.startswith("EFA_"):
         return ("efa",)
+    if code.startswith("RDMA_"):
+        return ("rdma",)
     if code.startswith("NVSWITCH_"):
         return ("kernel_log",)
     return ("gpu",)

@@ -14,8 +14,8 @@ The order of one observation:
    ``Verdict.observation``): whatever was observed after it is a new fault and stays;
 1. a new boot id (a reboot) closes every finding below replace_node;
 2. a new UUID at a known PCI id (the GPU was physically replaced) closes that GPU's findings;
-3. XIDs join incidents (those of an earlier boot are only counted); GPU and EFA samples run their
-   rules; the inventory is counted;
+3. XIDs join incidents (those of an earlier boot are only counted); GPU, EFA and RDMA port samples
+   run their rules; the inventory is counted;
 4. the open findings, expired where their window passed, are the verdict, with the subsystems the
    collection could not see (``Verdict.unobserved``).
 """
@@ -35,6 +35,7 @@ from healthagent.policy.incidents import XidIncidents
 from healthagent.policy.inventory import MAX_KNOWN, inventory, unobserved
 from healthagent.policy.rules_efa import EfaRules, EfaTrack, efa_key
 from healthagent.policy.rules_gpu import GpuRules, GpuTrack, gpu_key
+from healthagent.policy.rules_rdma import RdmaJudge
 from healthagent.policy.settings import Policy
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Classifier:
         self.incidents = XidIncidents(self.policy, self.catalog)
         self.gpus: dict[str, GpuTrack] = {}
         self.efa: dict[str, EfaTrack] = {}
+        self.rdma = RdmaJudge(self.policy)
         self.known_gpus: dict[str, str] = {}  # PCI id -> "GPU 3 (0000:a8:00.0)", seen since the last clear
         self.known_efa: dict[str, str] = {}
         self.boot_id = ""
@@ -128,6 +130,7 @@ class Classifier:
             self._guard("gpu", self._apply, self.gpu_rules.init_failures(failed_init, collection), now)
         for sample in collection.efa:
             self._guard("efa", self._apply, self.efa_rules.evaluate(sample, self._efa_track(sample), now), now)
+        self._guard("rdma", self._apply, self.rdma.evaluate(collection, now), now)
         if self._inventory_is_new(collection, now):
             self._guard("inventory", self._apply, inventory(collection, self.known_gpus, self.known_efa), now)
         blind = self._guard("unobserved", unobserved, collection) or ()
@@ -217,6 +220,7 @@ class Classifier:
         self.incidents.describe(self.book)
         self.known_gpus.clear()
         self.known_efa.clear()
+        self.rdma.forget_devices()
         log.info("findings cleared by operator count=%d reason=%s", closed, " ".join(str(reason).split()) or "-")
         return closed
 
@@ -234,6 +238,7 @@ class Classifier:
             "incidents": self.incidents.to_dict(),
             "gpus": {k: t.to_dict() for k, t in self.gpus.items()},
             "efa": {k: t.to_dict() for k, t in self.efa.items()},
+            "rdma": self.rdma.to_dict(),
             "known_gpus": dict(self.known_gpus),
             "known_efa": dict(self.known_efa),
         }
@@ -282,6 +287,7 @@ class Classifier:
         part("incidents", lambda v: self.incidents.load(_mapping(v)), None)
         self.gpus = part("gpus", lambda v: _tracks(v, GpuTrack.from_dict, problems), {})
         self.efa = part("efa", lambda v: _tracks(v, EfaTrack.from_dict, problems), {})
+        part("rdma", lambda v: self.rdma.load(v, problems), None)
         self.known_gpus = part("known_gpus", _words, {})
         self.known_efa = part("known_efa", _words, {})
         if problems:

@@ -39,9 +39,11 @@ FIELDS = ("count", "window", "sustain", "after_boot_grace")
 # moment; a burst can hold many at once and nothing is read in between).
 GPU = "gpu"
 EFA = "efa"
+RDMA = "rdma"
 INVENTORY = "inventory"
 EVENTS = "events"
-READING_WORDS = {GPU: "GPU readings", EFA: "EFA readings", INVENTORY: "inventory readings"}
+READING_WORDS = {GPU: "GPU readings", EFA: "EFA readings", RDMA: "RDMA port readings",
+                 INVENTORY: "inventory readings"}
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,18 @@ BUILT_IN: Mapping[str, Row] = MappingProxyType({
     "EFA_RETRANS_TIMEOUT": Row(EFA),
     "EFA_RX_DROPS": Row(EFA),
     "EFA_WR_ERRORS": Row(EFA),
+    # An InfiniBand link that is down for half a minute is an outage, not a retrain (a retrain
+    # that fails and recovers shows as link_downed, the flapping rule's signal). After a boot the
+    # subnet manager takes a while to bring ports to ACTIVE: no port-down finding before that.
+    "RDMA_PORT_DOWN": Row(RDMA, condition=True, rule=Rule(sustain=30.0, after_boot_grace=300.0)),
+    "RDMA_PORT_DEGRADED": Row(RDMA, condition=True),
+    # link_downed increments (one occurrence each): five flaps within a minute.
+    "RDMA_LINK_FLAPPING": Row(RDMA, rule=Rule(count=5, window=60.0)),
+    "RDMA_SYMBOL_ERRORS": Row(RDMA),
+    "RDMA_LINK_ERRORS": Row(RDMA),
+    "RDMA_RCV_ERRORS": Row(RDMA),
+    "RDMA_XMIT_DISCARDS": Row(RDMA),
+    "RDMA_DEVICE_MISSING": Row(INVENTORY, condition=True),
 })
 UNLISTED = Row(EVENTS)
 

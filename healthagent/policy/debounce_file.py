@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from healthagent.policy.debounce import (ALIASES, EVENTS, FIELDS, INVENTORY, MAX_HITS, READING_WORDS, EFA,
-                                         GPU, Rule, row)
+                                         GPU, RDMA, Rule, row)
 from healthagent.policy.findings import DOCS, FINDING_CODES, duration_words
 
 BUILT_IN_ORIGIN = "built-in"
@@ -73,7 +73,8 @@ def reading_intervals(settings: Any) -> dict[str, float]:
     is the GPU source when it is on (dcgm-exporter only fills in without it), the inventory is
     counted on every new set of GPU or EFA samples."""
     gpu = settings.nvml_interval_seconds if settings.nvml or not settings.dcgm_url else settings.dcgm_interval_seconds
-    return {GPU: float(gpu), EFA: float(settings.efa_interval_seconds),
+    # The RDMA source reads the same class directory as EFA, on the same interval.
+    return {GPU: float(gpu), EFA: float(settings.efa_interval_seconds), RDMA: float(settings.efa_interval_seconds),
             INVENTORY: float(min(gpu, settings.efa_interval_seconds))}
 
 

@@ -103,6 +103,34 @@ _INFOS = (
     FindingInfo("EFA_WR_ERRORS", "EFA RDMA work-request errors", Action.MONITOR,
                 "RDMA work requests fail on {device}: usually application or libfabric/NCCL "
                 "configuration (memory registration); check the job's logs first."),
+    FindingInfo("RDMA_PORT_DOWN", "InfiniBand/RoCE port down", Action.REBOOT_NODE,
+                "Port {device} was up and is not: its jobs' NCCL traffic on it has failed. Check the "
+                "cable, transceiver and switch port (`ibstat`, `mlxlink -d <pci> -m`), fix the link, "
+                "then reboot the node (or clear it) to return it to the job."),
+    FindingInfo("RDMA_PORT_DEGRADED", "InfiniBand/RoCE port below its rate", Action.MONITOR,
+                "Port {device} trained below the rate it (or its sibling ports) runs at: the job's "
+                "collectives run at the slowest rail. Plan a drain; reseat or replace the cable "
+                "(`mlxlink -d <pci> -m -e` for lanes and BER)."),
+    FindingInfo("RDMA_LINK_FLAPPING", "InfiniBand/RoCE link flapping", Action.REBOOT_NODE,
+                "The link of {device} went down and came back repeatedly (link_downed): every flap "
+                "breaks the job's queue pairs. Drain, replace the cable or transceiver or move the "
+                "switch port, then return the node."),
+    FindingInfo("RDMA_SYMBOL_ERRORS", "InfiniBand symbol errors", Action.MONITOR,
+                "Symbol errors are climbing on {device}: a marginal cable, transceiver or connector. "
+                "Check `mlxlink -d <pci> -m -c` (BER, FEC) and plan a cable swap."),
+    FindingInfo("RDMA_LINK_ERRORS", "InfiniBand link integrity errors", Action.MONITOR,
+                "The link of {device} keeps retraining or losing integrity: check the cable and the "
+                "switch port's counters (`perfquery`), and watch for link_downed."),
+    FindingInfo("RDMA_RCV_ERRORS", "InfiniBand receive errors", Action.MONITOR,
+                "Packets with errors are received on {device}: check this link and the peer's "
+                "(`perfquery -x` on both ends); remote physical errors point at the far side."),
+    FindingInfo("RDMA_XMIT_DISCARDS", "InfiniBand transmit discards", Action.MONITOR,
+                "Outbound packets are discarded on {device} (port down or congestion): look at "
+                "port_xmit_wait and the fabric's congestion before draining this node."),
+    FindingInfo("RDMA_DEVICE_MISSING", "RDMA device missing", Action.REBOOT_NODE,
+                "An InfiniBand/RoCE device seen earlier is gone: check `ibstat`, `lspci | grep -i "
+                "mellanox` and `dmesg | grep mlx5`; drain and reboot. If it is still missing after the "
+                "reboot, replace the node."),
 )
 
 FINDINGS: dict[str, FindingInfo] = {info.code: info for info in _INFOS}

@@ -85,6 +85,7 @@ def unobserved(collection: Collection) -> tuple[str, ...]:
       its GPUs.
     - ``efa``: the EFA source reported down (an unreadable class directory, or a device it may
       not read; *no devices* is up).
+    - ``rdma``: the InfiniBand/RoCE source reported down (a device or port it may not read).
     - ``kernel_log``: the kernel-log source reported down.
     """
     missing: list[str] = []
@@ -92,9 +93,11 @@ def unobserved(collection: Collection) -> tuple[str, ...]:
     gpu_seen = any(h.up and not h.unobserved for h in gpu_health) or (not gpu_health and bool(collection.gpus))
     if not gpu_seen and (gpu_health or (collection.expected_gpus or 0) > 0):
         missing.append("gpu")
-    down = {h.source for h in collection.health if not h.up or (h.source == "efa" and h.unobserved)}
+    down = {h.source for h in collection.health if not h.up or (h.source in ("efa", "rdma") and h.unobserved)}
     if "efa" in down:
         missing.append("efa")
+    if "rdma" in down:
+        missing.append("rdma")
     if "kmsg" in down:
         missing.append("kernel_log")
     return tuple(missing)

@@ -61,7 +61,7 @@ THRESHOLDS: dict[str, Threshold] = {
     "condition_clear_evaluations": Threshold(3, "count", "consecutive good evaluations before a condition below reboot_node clears"),
     "counter_quiet_seconds": Threshold(300, "seconds", "a rate finding clears after this long under its threshold"),
     "counter_window_seconds": Threshold(3600, "seconds", "a counter-growth finding below reboot_node (DBE) drives the verdict this long after the last growth"),
-    "rate_window_seconds": Threshold(60, "seconds", "window over which NVLink, PCIe and EFA counter growth is measured"),
+    "rate_window_seconds": Threshold(60, "seconds", "window over which NVLink, PCIe, EFA and RDMA counter growth is measured"),
     "sbe_window_seconds": Threshold(600, "seconds", "window of the corrected-ECC rate (compared with the window before it)"),
     "sbe_storm_per_minute": Threshold(10, "number", "corrected ECC errors per minute that count as a storm (DCGM's placeholder limit)"),
     "sbe_acceleration_factor": Threshold(2, "factor", "the corrected-error rate must exceed the previous window's rate times this"),
@@ -77,6 +77,11 @@ THRESHOLDS: dict[str, Threshold] = {
     "efa_cmds_err_per_minute": Threshold(100, "number", "cmds_err per minute tolerated (AWS: 100)"),
     "efa_rx_drops_per_minute": Threshold(100, "number", "rx_drops per minute tolerated (AWS: 100)"),
     "efa_wr_err_per_minute": Threshold(100, "number", "rdma_read_wr_err + rdma_write_wr_err per minute tolerated (AWS: 100)"),
+    # InfiniBand PortCounters: infiniband-diags' default error thresholds (ibqueryerrors), per minute.
+    "rdma_symbol_error_per_minute": Threshold(10, "number", "symbol_error per minute tolerated (infiniband-diags' SymbolErrorCounter threshold: 10)"),
+    "rdma_link_error_per_minute": Threshold(10, "number", "link_error_recovery + local_link_integrity_errors per minute tolerated (infiniband-diags: 10 each)"),
+    "rdma_rcv_errors_per_minute": Threshold(10, "number", "port_rcv_errors + port_rcv_remote_physical_errors per minute tolerated (infiniband-diags' PortRcvErrors: 10)"),
+    "rdma_xmit_discards_per_minute": Threshold(100, "number", "port_xmit_discards per minute tolerated (infiniband-diags' PortXmitDiscards: 100)"),
 }
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")

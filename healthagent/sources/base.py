@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
 from healthagent.common import ErrorTally
-from healthagent.model import EfaSample, GpuSample, SourceHealth, XidEvent
+from healthagent.model import EfaSample, GpuSample, RdmaPort, SourceHealth, XidEvent
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class SourceResult:
     gpus: tuple[GpuSample, ...] = ()
     xids: tuple[XidEvent, ...] = ()
     efa: tuple[EfaSample, ...] = ()
+    rdma: tuple[RdmaPort, ...] = ()
 
 
 class Source(Protocol):
