@@ -54,6 +54,7 @@ from healthagent.model import (
 )
 from healthagent.telemetry import spec as names
 from healthagent.telemetry.pipeline_metrics import pipeline_families
+from healthagent.telemetry.rdma_metrics import rdma_families, rdma_family_inputs
 from healthagent.telemetry.encode_cache import (
     OPENMETRICS_EOF,
     FamilyInput,
@@ -202,6 +203,9 @@ SNAPSHOT_PARTS: tuple[SnapshotPart, ...] = (
     SnapshotPart("efa", lambda s: (s.efa, s.expected_efa_devices),
                  lambda s: _efa_families(s.efa, s.expected_efa_devices),
                  inputs=lambda s: _efa_family_inputs(s.efa, s.expected_efa_devices)),
+    # InfiniBand/RoCE ports (telemetry/rdma_metrics.py), keyed per family like EFA.
+    SnapshotPart("rdma", lambda s: s.rdma, lambda s: rdma_families(s.rdma),
+                 inputs=lambda s: rdma_family_inputs(s.rdma)),
     # Everything else is small and its timestamp changes every cycle: reused per snapshot only.
     SnapshotPart("other", lambda s: s, lambda s: _other_families(s), compare_equal=False),
 )

@@ -1,0 +1,37 @@
+"""The InfiniBand/RoCE families: names as node_exporter's, the rate as Go computes it, the docs."""
+
+from __future__ import annotations
+
+import pytest
+
+from healthagent.telemetry.rdma_metrics import RDMA, counter_name, go_rate_bytes
+from tests.telemetry.test_docs import doc_rows
+
+
+@pytest.mark.parametrize("metric", RDMA, ids=lambda m: m.name)
+def test_the_metrics_doc_lists_every_rdma_family_with_type_and_labels(metric):
+    kind, labels = doc_rows()[metric.full_name]
+    assert kind == metric.type
+    assert {part.strip().strip("`") for part in labels.split(",")} == set(metric.labels)
+
+
+def test_the_counter_patterns_are_documented():
+    rows = doc_rows()
+    assert "healthagent_infiniband_<counter>_total" in rows and "healthagent_infiniband_<hw counter>_total" in rows
+
+
+def test_counter_names():
+    assert counter_name("port_xmit_data", hw=False) == "healthagent_infiniband_port_data_transmitted_bytes_total"
+    assert counter_name("VL15_dropped", hw=False) == "healthagent_infiniband_vl15_dropped_total"
+    assert counter_name("port_rcv_data_64", hw=False) == "healthagent_infiniband_legacy_data_received_bytes_total"
+    assert counter_name("out_of_buffer", hw=True) == "healthagent_infiniband_out_of_buffer_drops_total"
+    assert counter_name("req_transport_retries_exceeded", hw=True) == \
+        "healthagent_infiniband_hw_req_transport_retries_exceeded_total"
+
+
+def test_rates_in_bytes_a_second_as_go_parses_them():
+    assert go_rate_bytes(400.0) == 50_000_000_000
+    assert go_rate_bytes(2.5) == 312_500_000
+    assert go_rate_bytes(53.125) == 6_640_625_000
+    # Go parses the number as a 32-bit float first: 0.1 is 0.100000001490116..., times 1.25e8
+    assert go_rate_bytes(0.1) == 12_500_000
