@@ -36,7 +36,8 @@ TOOL_TIMEOUT_SECONDS = 120
 def contract_metric_names() -> set[str]:
     """Every series name the agent exports: the product's metric table (healthagent/telemetry/spec.py,
     the metric contract) plus one ``efa_<counter>_total`` per EFA driver counter of the reference
-    (never ``lifespan``); histograms with their _bucket/_sum/_count series."""
+    (never ``lifespan``) and the InfiniBand/RoCE families; histograms with their _bucket/_sum/_count
+    series."""
     from healthagent.telemetry import spec
     from tests.support.efa_reference import efa_counter_facts
 
@@ -48,7 +49,16 @@ def contract_metric_names() -> set[str]:
         else:
             series.add(metric.full_name)
     counters = set(efa_counter_facts()) - {"lifespan"}
-    return series | {f"{spec.PREFIX}efa_{c}_total" for c in counters}
+    return series | {f"{spec.PREFIX}efa_{c}_total" for c in counters} | rdma_metric_names()
+
+
+def rdma_metric_names() -> set[str]:
+    """The InfiniBand/RoCE families: the fixed ones and a counter per PortCounter and driver counter
+    node_exporter names (telemetry/rdma_metrics.py)."""
+    from healthagent.telemetry import rdma_metrics
+
+    counters = {*rdma_metrics.PMA_NAMES.values(), *rdma_metrics.HW_NAMES.values()}
+    return {m.full_name for m in rdma_metrics.RDMA} | {rdma_metrics.NS + c for c in counters}
 
 
 def per_job_metric_names() -> set[str]:
