@@ -33,6 +33,7 @@ EXPECTED_DASHBOARDS = {
     "efa-network.json": ("healthagent-efa", {"cluster", "node"}),
     "elastic-training.json": ("healthagent-training", {"cluster", "node", "job"}),
     "remediation.json": ("healthagent-remediation", {"cluster", "node"}),
+    "rdma-fabric.json": ("healthagent-rdma", {"cluster", "node"}),
 }
 
 # The panels each dashboard must have (title -> a metric its queries must use).
@@ -72,6 +73,13 @@ REQUIRED_PANELS = {
         "Tokens / s": "healthagent_training_tokens_total",
         "Step time quantiles": "healthagent_training_step_seconds_bucket",
         "Goodput": "healthagent_training_productive_seconds_total",
+    },
+    "rdma-fabric.json": {
+        "Port state": "healthagent_infiniband_port_up",
+        "Port rate": "healthagent_infiniband_rate_bytes_per_second",
+        "Throughput per port": "healthagent_infiniband_port_data_transmitted_bytes_total",
+        "Link flaps and errors": "healthagent_infiniband_link_downed_total",
+        "Congestion": "healthagent_infiniband_port_transmit_wait_total",
     },
     "remediation.json": {
         "Nodes per stage": "healthagent_remediation_stage",

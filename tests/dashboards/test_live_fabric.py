@@ -1,0 +1,92 @@
+"""The InfiniBand/RoCE fabric dashboard and alerts, proven on a real Prometheus scraping the real
+agent on a node with 8 NDR InfiniBand ports and 2 RoCE ports (``tests/support/rdma_tree.py``).
+
+The agent is ``AgentRuntime`` (what ``healthagent run`` starts) over the tree, without NVML,
+Kubernetes in dry-run; Prometheus is the Debian binary with the rule file (every ``for:`` at 0s, as
+in test_live_prometheus.py). Faults are written into sysfs: a port goes down, one trains at half
+its rate, one flaps, a RoCE port sends CNPs. Then every query of dashboards/rdma-fabric.json
+returns data and the fabric alerts fire. No timing is asserted: each wait polls for its condition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.dashboards.test_live_prometheus import DEADLINE, Prometheus, _rules_without_for
+from tests.support.observability import dashboard_queries, require_binary, start_prometheus, substitute, wait_for
+from tests.support.rdma_tree import DISABLED, DOWN, HDR, build_rdma_tree
+
+pytestmark = pytest.mark.integration
+
+NODE = "dgx-ib-node"
+EXPECTED_FIRING = {"HealthagentInfinibandPortDown", "HealthagentInfinibandPortDegraded",
+                   "HealthagentInfinibandLinkFlapping"}
+
+
+@pytest.fixture
+def fabric(tmp_path):
+    require_binary("prometheus")
+    from healthagent.config import load_settings
+    from healthagent.wiring import AgentRuntime
+
+    tree = build_rdma_tree(tmp_path / "host")
+    kernel_log = tmp_path / "kern.log"
+    kernel_log.write_text("")
+    settings = load_settings(env={}, flags={
+        "host_root": str(tree.root), "kernel_log": str(kernel_log), "nvml": "false", "kube": "dry-run",
+        "listen": "127.0.0.1:0", "state_file": str(tmp_path / "state.json"), "node_name": NODE,
+        "efa_interval_seconds": 1, "log_level": "WARNING", "training_intake": "off",
+    })
+    runtime = AgentRuntime(settings)
+    runtime.start()
+    server = None
+    try:
+        rules = tmp_path / "rules.yaml"
+        _rules_without_for(rules)
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules)],
+            "scrape_configs": [{"job_name": "healthagent", "honor_labels": True, "static_configs": [
+                {"targets": [f"127.0.0.1:{runtime.server.port}"], "labels": {"node": NODE}}]}],
+        }), encoding="utf-8")
+        server, url = start_prometheus(config, tmp_path)
+        yield tree, Prometheus(url)
+    finally:
+        if server is not None:
+            server.stop()
+        runtime.stop()
+
+
+def test_the_fabric_dashboard_returns_data_and_the_fabric_alerts_fire(fabric):
+    tree, prom = fabric
+    wait_for(lambda: prom.query(f'healthagent_infiniband_port_up{{node="{NODE}"}} == 1'), timeout=DEADLINE,
+             what="Prometheus to have the ports up")
+    wait_for(lambda: len(prom.query(f'healthagent_infiniband_port_up{{node="{NODE}"}} == 1')) == 10,
+             timeout=DEADLINE, what="all ten ports up")
+    tree.set_state("mlx5_3", DOWN, DISABLED)
+    tree.set_rate("mlx5_5", HDR)
+    tree.bump("mlx5_6", "link_downed", 6)
+    tree.bump("mlx5_9", "np_cnp_sent", 50_000)
+    tree.bump("mlx5_0", "symbol_error", 3)
+    for step in range(3):  # traffic moves between scrapes
+        tree.bump("mlx5_1", "port_xmit_data", 1_000_000 + step)
+        wait_for(lambda: prom.query(f'changes(healthagent_infiniband_port_data_transmitted_bytes_total'
+                                    f'{{node="{NODE}",device="mlx5_1"}}[1m]) > {step}'),
+                 timeout=DEADLINE, what="the traffic counter to move")
+
+    firing = lambda: {name for name, states in prom.alerts().items() if "firing" in states}  # noqa: E731
+    try:
+        wait_for(lambda: EXPECTED_FIRING <= firing(), timeout=DEADLINE, what="the fabric alerts")
+    except AssertionError:
+        pytest.fail(f"not firing: {sorted(EXPECTED_FIRING - firing())}; alerts: {prom.alerts()}")
+
+    empty = []
+    for query in [q for q in dashboard_queries() if q.dashboard == "rdma-fabric.json"]:
+        expr = substitute(query.expr, {"cluster": ".*", "node": NODE})
+        try:
+            wait_for(lambda e=expr: prom.query(e), timeout=30, what=expr)
+        except AssertionError:
+            empty.append(f"{query.where}: {expr}")
+    assert not empty, "fabric dashboard queries without data:\n" + "\n".join(empty)
