@@ -59,10 +59,12 @@ GPU_CONDITION = DEFAULT.gpu_type  # the default vocabulary's types
 EFA_CONDITION = DEFAULT.efa_type
 OWNED_CONDITIONS = DEFAULT.types
 # Verdict.unobserved subsystems that have a condition: (its reason while the subsystem cannot be
-# seen, what it is in words, the sources that see it). Status Unknown: "no finding" about
-# hardware nobody could see is not "healthy".
-NOT_OBSERVED = {GPU_AREA: (NOT_OBSERVED_REASONS[GPU_AREA], "GPUs", ("nvml", "dcgm")),
-                EFA_AREA: (NOT_OBSERVED_REASONS[EFA_AREA], "EFA devices", ("efa",))}
+# seen, what it is in words, the sources that see it, the area whose condition it is). Status
+# Unknown: "no finding" about hardware nobody could see is not "healthy". InfiniBand/RoCE ports
+# share the networking condition with EFA.
+NOT_OBSERVED = {GPU_AREA: (NOT_OBSERVED_REASONS[GPU_AREA], "GPUs", ("nvml", "dcgm"), GPU_AREA),
+                EFA_AREA: (NOT_OBSERVED_REASONS[EFA_AREA], "EFA devices", ("efa",), EFA_AREA),
+                "rdma": (NOT_OBSERVED_REASONS[EFA_AREA], "InfiniBand/RoCE ports", ("rdma",), EFA_AREA)}
 
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
@@ -397,15 +399,18 @@ def not_observed_conditions(node: Mapping, unobserved: Iterable[str],
     for part in unobserved:
         if part not in NOT_OBSERVED:
             continue
-        reason, what, sources = NOT_OBSERVED[part]
-        ctype = vocab.type_of(part)
+        reason, what, sources, area = NOT_OBSERVED[part]
+        ctype = vocab.type_of(area)
         have = existing.get(ctype) or {}
         if (have.get("status"), have.get("reason")) == ("Unknown", reason) and isinstance(have.get("message"), str):
             planned[ctype] = (reason, have["message"])
             continue
         why = "; ".join(f"{h.source}: {h.detail}" for h in health if h.source in sources and not h.up and h.detail)
-        planned[ctype] = (reason, f"the agent cannot observe the {what} ({why or 'no source answered'}); "
-                                  "their health is unknown, not healthy")
+        message = (f"the agent cannot observe the {what} ({why or 'no source answered'}); "
+                   "their health is unknown, not healthy")
+        if ctype in planned:  # EFA devices and InfiniBand ports both unseen: one condition says both
+            message = f"{planned[ctype][1]}; {message}"
+        planned[ctype] = (reason, message)
     return planned
 
 

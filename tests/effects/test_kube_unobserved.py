@@ -81,6 +81,24 @@ def test_without_the_sources_health_the_message_is_generic(tmp_path, cluster):
     assert node["metadata"]["labels"][HEALTH_LABEL] == "unknown"
 
 
+@pytest.mark.parametrize("unobserved,words", [
+    (("rdma",), ["InfiniBand/RoCE ports (rdma: /sys/class/infiniband/mlx5_0: Input/output error)"]),
+    (("efa", "rdma"), ["EFA devices", "InfiniBand/RoCE ports"]),
+])
+def test_infiniband_ports_not_observed_make_the_networking_condition_unknown(tmp_path, cluster, unobserved, words):
+    """InfiniBand and RoCE ports share the networking condition with EFA: ports nobody could read
+    are unknown there, never healthy, and when both are unseen one condition says both."""
+    rdma_down = SourceHealth(source="rdma", up=False, detail="/sys/class/infiniband/mlx5_0: Input/output error")
+    effects = started(tmp_path, cluster)
+    effects.reconcile(verdict(unobserved=unobserved), T0, "boot-1", health=(rdma_down,))
+    node = cluster.node(NODE)
+    assert conditions(node) == {"GpuHealthy": ("True", "AllChecksPassed"),
+                                "EfaHealthy": ("Unknown", "EfaNotObserved")}
+    message = condition(node, "EfaHealthy")["message"]
+    assert all(w in message for w in words), message
+    assert node["metadata"]["labels"][HEALTH_LABEL] == "unknown" and our_taints(node) == []
+
+
 def test_an_open_finding_outranks_unobserved(tmp_path, cluster):
     effects = started(tmp_path, cluster)
     effects.reconcile(verdict(finding(), unobserved=("efa", "kernel_log")), T0, "boot-1", health=(EFA_DOWN,))
