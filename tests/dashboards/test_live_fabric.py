@@ -11,10 +11,10 @@ returns data and the fabric alerts fire. No timing is asserted: each wait polls 
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from tests.dashboards.test_live_prometheus import DEADLINE, Prometheus, _rules_without_for
-from tests.support.observability import dashboard_queries, require_binary, start_prometheus, substitute, wait_for
+from tests.support.observability import (dashboard_queries, require_binary, start_prometheus, substitute, wait_for,
+                                         write_scrape_config)
 from tests.support.rdma_tree import DISABLED, DOWN, HDR, build_rdma_tree
 
 pytestmark = pytest.mark.integration
@@ -44,13 +44,7 @@ def fabric(tmp_path):
     try:
         rules = tmp_path / "rules.yaml"
         _rules_without_for(rules)
-        config = tmp_path / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(rules)],
-            "scrape_configs": [{"job_name": "healthagent", "honor_labels": True, "static_configs": [
-                {"targets": [f"127.0.0.1:{runtime.server.port}"], "labels": {"node": NODE}}]}],
-        }), encoding="utf-8")
+        config = write_scrape_config(tmp_path / "prometheus.yml", runtime.server.port, NODE, rules)
         server, url = start_prometheus(config, tmp_path)
         yield tree, Prometheus(url)
     finally:

@@ -33,6 +33,7 @@ from tests.support.observability import (
     start_prometheus,
     substitute,
     wait_for,
+    write_scrape_config,
 )
 
 NODE = "demo-p5-node"
@@ -84,18 +85,6 @@ def _rules_without_for(path: Path) -> None:
             if "for" in rule:
                 rule["for"] = "0s"
     path.write_text(yaml.safe_dump(rules, sort_keys=False), encoding="utf-8")
-
-
-def _prometheus_config(path: Path, agent_port: int, rules: Path) -> None:
-    path.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(rules)],
-        "scrape_configs": [{
-            "job_name": "healthagent",
-            "honor_labels": True,  # the training metrics' `job` is the training job
-            "static_configs": [{"targets": [f"127.0.0.1:{agent_port}"], "labels": {"node": NODE}}],
-        }],
-    }), encoding="utf-8")
 
 
 class Prometheus:
@@ -193,8 +182,7 @@ def live_stack(tmp_path, monkeypatch):
     try:
         rules = tmp_path / "rules.yaml"
         _rules_without_for(rules)
-        config = tmp_path / "prometheus.yml"
-        _prometheus_config(config, runtime.server.port, rules)
+        config = write_scrape_config(tmp_path / "prometheus.yml", runtime.server.port, NODE, rules)
         prometheus_server, url = start_prometheus(config, tmp_path)
         yield node, runtime, Prometheus(url)
     finally:

@@ -16,7 +16,6 @@ import math
 from pathlib import Path
 
 import pytest
-import yaml
 
 from healthagent.effects.node_desired import CLEAR_ANNOTATION
 from healthagent.effects.stage import NodeSide, stage_of, started
@@ -32,6 +31,7 @@ from tests.support.observability import (
     start_prometheus,
     substitute,
     wait_for,
+    write_scrape_config,
 )
 from tests.telemetry.harness import start_agent
 
@@ -58,13 +58,7 @@ def fake():
 def prometheus(tmp_path: Path):
     require_binary("prometheus")
     agent = start_agent()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES_FILE)],
-        "scrape_configs": [{"job_name": "healthagent", "honor_labels": True, "static_configs": [
-            {"targets": [f"127.0.0.1:{agent.server.port}"], "labels": {"node": NODE}}]}],
-    }), encoding="utf-8")
+    config = write_scrape_config(tmp_path / "prometheus.yml", agent.server.port, NODE, RULES_FILE)
     server, url = start_prometheus(config, tmp_path)
     try:
         yield agent, Prometheus(url)

@@ -286,3 +286,16 @@ def _wait_ready(server: ServerProcess, url: str, name: str) -> None:
     except BaseException:
         server.stop()
         raise
+
+
+def write_scrape_config(path: Path, agent_port: int, node: str, rules: Path) -> Path:
+    """A Prometheus config that scrapes the agent on 127.0.0.1 every second with ``rules`` loaded,
+    as the ServiceMonitor does (``honor_labels``: a training job's ``job`` label is its own; a
+    static ``node`` label, as relabelling gives it)."""
+    path.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
+        "scrape_configs": [{"job_name": "healthagent", "honor_labels": True, "static_configs": [
+            {"targets": [f"127.0.0.1:{agent_port}"], "labels": {"node": node}}]}],
+    }), encoding="utf-8")
+    return path
