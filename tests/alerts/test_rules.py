@@ -94,12 +94,35 @@ def test_promtool_unit_tests_pass():
 
 
 def _copy_with_rules(tmp_path: Path, rules: dict, alertname: str) -> list[Path]:
-    """The unit-test files that test ``alertname``, copied to tmp_path/tests and reading a (changed)
-    rule file at tmp_path/."""
-    (tmp_path / RULES_FILE.name).write_text(yaml.safe_dump(rules, sort_keys=False), encoding="utf-8")
+    """The unit tests of ``alertname`` alone, against a (changed) rule file holding that alert and
+    every recording rule, copied to tmp_path.
+
+    promtool evaluates every rule of the file at every step of every test group, so the copy
+    keeps only what can decide this alert's cases: its own rule, the recording rules it may read,
+    and the test groups (and in them the cases) about it. A failure can then only be this alert's.
+    """
+    kept_rules = {"groups": [
+        {**group, "rules": [r for r in group["rules"] if "record" in r or r.get("alert") == alertname]}
+        for group in rules["groups"]]}
+    kept_rules["groups"] = [g for g in kept_rules["groups"] if g["rules"]]
+    (tmp_path / RULES_FILE.name).write_text(yaml.safe_dump(kept_rules, sort_keys=False), encoding="utf-8")
     tests = tmp_path / "tests"
     tests.mkdir()
-    return [Path(shutil.copy(f, tests)) for f in TEST_FILES if f"alertname: {alertname}\n" in f.read_text()]
+    copies = []
+    for source in TEST_FILES:
+        document = yaml.safe_load(source.read_text(encoding="utf-8"))
+        groups = []
+        for group in document["tests"]:
+            cases = [c for c in group.get("alert_rule_test", []) if c["alertname"] == alertname]
+            if cases:
+                groups.append({key: value for key, value in group.items() if key != "promql_expr_test"}
+                              | {"alert_rule_test": cases})
+        if groups:
+            copy = tests / source.name
+            copy.write_text(yaml.safe_dump(document | {"tests": groups}, sort_keys=False), encoding="utf-8")
+            copies.append(copy)
+    assert copies, f"no unit test names {alertname}"
+    return copies
 
 
 @pytest.mark.integration
