@@ -15,12 +15,15 @@ What is written (paths under the root):
   ``state``/``phys_state``. The PCI buses follow a p5's layout: four EFAs just below each GPU.
 - ``dev/kmsg``: a regular file in /dev/kmsg record format (``PRI,SEQ,USEC,FLAGS;text`` plus the
   `` KEY=value`` dictionary lines the kernel attaches to device messages) holding a boot log:
-  PCI enumeration of the GPUs and EFAs, the NVIDIA driver loading, no XIDs.
+  PCI enumeration of the GPUs and EFAs, the NVIDIA driver loading, no XIDs (``boot_log.py``).
 - ``proc/sys/kernel/random/boot_id``, ``proc/uptime`` and ``proc/stat`` (with ``btime``), so
   record times (boot time + USEC) line up with the wall clock.
 - ``sys/devices/virtual/dmi/id/product_name``: ``p5.48xlarge``, as a Nitro instance's firmware
   says, so the agent expects 8 GPUs and 32 EFA devices without any setting.
 - ``nvml-scenario.json``: a copy of the stub NVML library's bundled 8 x H100 scenario.
+
+``write_demo_node`` writes what every demo node has around its fabric (the scenario, the kernel
+log, ``proc/``, the product name); the InfiniBand node (``ib_node.py``) is built on it too.
 
 ``DemoNode`` then changes the node the way faults do: ``inject_xid`` appends the records the
 NVIDIA driver writes for an XID (and/or tells the stub NVML library), ``bump_efa_counter`` moves
@@ -40,8 +43,9 @@ import time
 import uuid as uuidlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
+from healthagent.demo.boot_log import Line, kmsg_record, kmsg_text, p5_boot_log
 from healthagent.model import canonical_pci_bus_id
 from healthagent.sources.instance import PRODUCT_NAME
 
@@ -246,72 +250,9 @@ def _counter_files(device_dir: Path, counter: str) -> list[Path]:
 
 # -- the kernel log -------------------------------------------------------------------------------
 
-def kmsg_record(priority: int, seq: int, usec: int, text: str, fields: Mapping[str, str] | None = None) -> str:
-    """One /dev/kmsg record: ``PRI,SEQ,USEC,FLAGS;text`` and its `` KEY=value`` lines."""
-    extra = "".join(f" {k}={v}\n" for k, v in (fields or {}).items())
-    return f"{priority},{seq},{usec},-;{text}\n" + extra
-
-
 def _xid_pci(pci_bus_id: str) -> str:
     """The driver's form of a GPU's PCI id in XID lines: ``0000:53:00`` (no function)."""
     return pci_bus_id.rsplit(".", 1)[0]
-
-
-def _boot_log(gpus: list[dict], efa_pci_ids: list[str], driver_version: str) -> list[tuple[int, float, str, dict]]:
-    """(priority, seconds since boot, text, fields) of an ordinary boot, in order."""
-    lines: list[tuple[int, float, str, dict]] = [
-        (5, 0.0, "Linux version 5.10.220-209.869.amzn2.x86_64 (mockbuild@ip-10-0-41-187) (gcc10-gcc "
-                 "(GCC) 10.5.0 20230707 (Red Hat 10.5.0-1), GNU ld version 2.35.2-9.amzn2.0.1) #1 SMP "
-                 "Wed Jul 17 18:14:27 UTC 2024", {}),
-        (6, 0.0, "Command line: BOOT_IMAGE=/boot/vmlinuz-5.10.220-209.869.amzn2.x86_64 "
-                 "root=UUID=1f0a5c1e-3b7a-4f43-9d1e-2b1f4a7c5e21 ro console=tty0 console=ttyS0,115200n8 "
-                 "nvme_core.io_timeout=4294967295 rd.emergency=poweroff rd.shell=0", {}),
-        (6, 0.0, "BIOS-provided physical RAM map:", {}),
-        (6, 0.0, "DMI: Amazon EC2 p5.48xlarge/, BIOS 1.0 10/16/2017", {}),
-        (6, 0.000001, "Hypervisor detected: KVM", {}),
-        (6, 0.081112, "smpboot: Allowing 192 CPUs, 0 hotplug CPUs", {}),
-        (6, 0.231784, "Memory: 2113419876K/2147073760K available (12294K kernel code, 7714K rwdata)", {}),
-        (6, 1.204731, "PCI: Using configuration type 1 for base access", {}),
-    ]
-    enumerated = [(g["pci_bus_id"], "10de:2330", "0x030200") for g in gpus]
-    enumerated += [(pci, "1d0f:efa2", "0x020000") for pci in efa_pci_ids]
-    for n, (pci, ids, class_code) in enumerate(enumerated):
-        lines.append((6, 1.31 + n * 0.000389, f"pci {pci}: [{ids}] type 00 class {class_code}",
-                      {"SUBSYSTEM": "pci", "DEVICE": f"+pci:{pci}"}))
-    lines += [
-        (6, 2.916003, "nvme nvme0: 32/0/0 default/read/poll queues", {}),
-        (6, 3.402118, "EXT4-fs (nvme0n1p1): mounted filesystem with ordered data mode. Opts: (null)", {}),
-        (6, 5.887019, "systemd[1]: Started Journal Service.", {}),
-        (6, 6.514462, "ena 0000:27:00.0 eth0: Elastic Network Adapter (ENA) v2.12.0g", {}),
-        (4, 7.104875, "nvidia: loading out-of-tree module taints kernel.", {}),
-        (4, 7.104891, "nvidia: module license 'NVIDIA' taints kernel.", {}),
-        (4, 7.104893, "Disabling lock debugging due to kernel taint", {}),
-        (6, 7.212877, "nvidia-nvlink: Nvlink Core is being initialized, major device number 235", {}),
-        (5, 7.530244, f"NVRM: loading NVIDIA UNIX x86_64 Kernel Module  {driver_version}  "
-                      "Wed Jun 12 22:31:55 UTC 2024", {}),
-        (6, 7.861630, f"nvidia-modeset: Loading NVIDIA Kernel Mode Setting Driver for UNIX platforms  "
-                      f"{driver_version}  Wed Jun 12 21:50:46 UTC 2024", {}),
-        (6, 7.902271, "[drm] [nvidia-drm] [GPU ID 0x00005300] Loading driver", {}),
-        (6, 8.310044, "nvidia-uvm: Loaded the UVM driver, major device number 511.", {}),
-        (6, 9.120538, "Elastic Fabric Adapter (EFA) v2.10.0g", {}),
-    ]
-    for i, pci in enumerate(efa_pci_ids[:2]):
-        lines.append((6, 9.121 + i * 0.04, f"efa {pci}: Setup irq:0x{0x48 + i * 2:x} name:efa-mgmnt@pci:{pci}",
-                      {"SUBSYSTEM": "pci", "DEVICE": f"+pci:{pci}"}))
-    lines += [
-        (5, 14.551902, _audit_unit_started("nvidia-persistenced", 14.551902), {}),
-        (5, 15.001782, _audit_unit_started("nvidia-fabricmanager", 15.001782), {}),
-        (6, 31.772015, "IPv6: ADDRCONF(NETDEV_CHANGE): eth0: link becomes ready", {}),
-        (6, 42.108331, "cni0: port 1(veth3a1f2c07) entered forwarding state", {}),
-    ]
-    return lines
-
-
-def _audit_unit_started(unit: str, seconds: float) -> str:
-    """systemd's audit record (logged through the kernel) for a service that started."""
-    return (f"audit: type=1130 audit({1718300000 + seconds:.3f}:{200 + int(seconds)}): pid=1 uid=0 "
-            f"auid=4294967295 ses=4294967295 msg='unit={unit} comm=\"systemd\" "
-            f"exe=\"/usr/lib/systemd/systemd\" hostname=? addr=? terminal=? res=success'")
 
 
 # -- the node -------------------------------------------------------------------------------------
@@ -441,10 +382,25 @@ def _load_gpus(scenario: Path) -> tuple[list[dict], str]:
 
 
 def build_demo_root(root: Path) -> DemoNode:
-    """Write the demo host root into ``root`` (created; must not already hold a demo node)."""
+    """Write the demo host root, a p5.48xlarge, into ``root`` (created; must not already hold a
+    demo node)."""
+    root = Path(root).absolute()
+    efa_pci_ids = p5_efa_pci_bus_ids()
+    efa_devices = write_efa_devices(root, efa_pci_ids)
+    # INSTANCE_TYPE: what a Nitro instance's firmware says; the agent reads its expected inventory from it.
+    return write_demo_node(root, INSTANCE_TYPE, efa_devices,
+                           lambda gpus, driver: p5_boot_log(gpus, efa_pci_ids, driver))
+
+
+def write_demo_node(root: Path, product_name: str, efa_devices: list[str],
+                    boot_log: Callable[[list[dict], str], list[Line]],
+                    gpu_pci_bus_ids: Sequence[str] = ()) -> DemoNode:
+    """What every demo node has around the fabric its caller wrote into ``root`` (``efa_devices``:
+    the EFA devices among it): the NVML scenario (its GPUs at ``gpu_pci_bus_ids`` when given), the
+    kernel log ``boot_log`` writes for those GPUs and driver version, the boot, and the firmware's
+    product name."""
     from healthagent.demo import stub_nvml
 
-    root = Path(root).absolute()
     root.mkdir(parents=True, exist_ok=True)
     built_at = time.time()
     # The demo kernel shares this machine's monotonic clock, as a node's kernel log does the
@@ -452,30 +408,29 @@ def build_demo_root(root: Path) -> DemoNode:
     uptime = time.monotonic()
 
     scenario = root / SCENARIO_FILE
-    stub_nvml.copy_demo_scenario(scenario)
+    stub_nvml.copy_demo_scenario(scenario, gpu_pci_bus_ids)
     gpus, driver_version = _load_gpus(scenario)
 
-    efa_pci_ids = p5_efa_pci_bus_ids()
-    efa_devices = write_efa_devices(root, efa_pci_ids)
-
     kernel_log = root / KERNEL_LOG
-    records = [kmsg_record(priority, seq, int(seconds * 1_000_000), text, fields)
-               for seq, (priority, seconds, text, fields)
-               in enumerate(_boot_log(gpus, efa_pci_ids, driver_version))]
-    _write(kernel_log, "".join(records))
-
-    boot_id = str(uuidlib.uuid4())
-    _write(root / "proc" / "sys" / "kernel" / "random" / "boot_id", boot_id + "\n")
-    _write(root / "proc" / "uptime", f"{uptime:.2f} {uptime * 180:.2f}\n")
-    _write(root / "proc" / "stat", _proc_stat(int(built_at - uptime), uptime))
-    # What a Nitro instance's firmware says; the agent reads its expected inventory from it.
-    _write(root / PRODUCT_NAME.lstrip("/"), INSTANCE_TYPE + "\n")
+    _write(kernel_log, kmsg_text(boot_log(gpus, driver_version)))
+    boot_id = _write_boot(root, built_at, uptime)
+    _write(root / PRODUCT_NAME.lstrip("/"), product_name + "\n")
 
     return DemoNode(
         root=root, efa_devices=efa_devices, gpu_pci_bus_ids=[g["pci_bus_id"] for g in gpus],
         gpu_uuids=[g["uuid"] for g in gpus], kernel_log=kernel_log, scenario=scenario,
         boot_id=boot_id, uptime_at_build=uptime, built_at=built_at,
     )
+
+
+def _write_boot(root: Path, built_at: float, uptime: float) -> str:
+    """A fresh boot id, ``proc/uptime`` and ``proc/stat`` (its ``btime``) of a node up ``uptime``
+    seconds at wall time ``built_at``, so kernel-log record times line up with the wall clock."""
+    boot_id = str(uuidlib.uuid4())
+    _write(root / "proc" / "sys" / "kernel" / "random" / "boot_id", boot_id + "\n")
+    _write(root / "proc" / "uptime", f"{uptime:.2f} {uptime * 180:.2f}\n")
+    _write(root / "proc" / "stat", _proc_stat(int(built_at - uptime), uptime))
+    return boot_id
 
 
 def _proc_stat(btime: int, uptime: float) -> str:

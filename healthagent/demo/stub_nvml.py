@@ -37,7 +37,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from healthagent.common import atomic_write
 
@@ -249,8 +249,20 @@ def set_gpu_field(path: Path | str, gpu_index: int, field: str, value: Any) -> N
     _mutate(path, change)
 
 
-def copy_demo_scenario(dest: Path | str) -> Path:
-    """Write the bundled 8 x H100 scenario to ``dest`` (a file the caller may then mutate)."""
+def copy_demo_scenario(dest: Path | str, pci_bus_ids: Sequence[str] = ()) -> Path:
+    """Write the bundled 8 x H100 scenario to ``dest`` (a file the caller may then mutate).
+
+    ``pci_bus_ids`` (canonical, one per GPU, by index) put the GPUs where another make of node has
+    them (a DGX H100's PCIe layout rather than a p5's), so NVML and the host's sysfs agree on
+    which GPU sits behind which PCIe switch."""
     dest = Path(dest)
-    write_scenario(dest, load_scenario(DEMO_SCENARIO))
+    data = load_scenario(DEMO_SCENARIO)
+    if pci_bus_ids:
+        if len(pci_bus_ids) != len(data["gpus"]):
+            raise ValueError(f"{len(pci_bus_ids)} PCI ids for {len(data['gpus'])} GPUs")
+        for gpu, pci in zip(data["gpus"], pci_bus_ids):
+            domain, rest = pci.split(":", 1)
+            gpu["pci_bus_id"] = f"{int(domain, 16):08X}:{rest.upper()}"  # as NVML prints it
+        data["_comment"] = [*data.get("_comment", []), "GPUs placed at this host's PCI ids: " + ", ".join(pci_bus_ids)]
+    write_scenario(dest, data)
     return dest
