@@ -32,6 +32,8 @@ from healthagent.config import ConfigError, Settings, load_settings
 
 EXIT_USAGE = EXIT_CANNOT_RUN  # a usage error is "could not run", never check's 2 ("node action")
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a Unix tool whose reader left
+DEMO_FABRICS = ("efa", "ib")  # ``demo --fabric``: the demo node's network
+DEMO_XID = 94  # ``demo --xid``'s default: a contained memory error
 
 
 class CannotRun(Exception):
@@ -188,8 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the agent on the bundled demo node through a scripted fault")
     demo.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                       help="where the demo agent serves /metrics (default: a free loopback port)")
-    demo.add_argument("--xid", type=_whole_number, default=94, help="XID to inject (default 94)")
-    demo.add_argument("--gpu", type=_demo_gpu, default=3, help="GPU index to inject it on, 0-7 (default 3)")
+    demo.add_argument("--fabric", choices=DEMO_FABRICS, default="efa",
+                      help="the demo node's network: efa, a p5.48xlarge with 32 EFA devices, through an XID "
+                           "(default); ib, a DGX H100 with 8 InfiniBand ports (one per GPU) and 2 RoCE ports, "
+                           "through an InfiniBand port going down")
+    demo.add_argument("--xid", type=_whole_number, default=None,
+                      help=f"XID to inject (default {DEMO_XID}; --fabric efa only)")
+    demo.add_argument("--gpu", type=_demo_gpu, default=3,
+                      help="GPU index to inject it on, 0-7 (default 3); with --fabric ib, the port beside this "
+                           "GPU goes down")
     demo.add_argument("--keep-running", action="store_true",
                       help="keep serving /metrics after the script, until Ctrl-C")
     demo.add_argument("--prepare", metavar="DIR",
@@ -359,6 +368,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from healthagent.demo.script import run_demo
 
+    if args.fabric == "ib" and args.xid is not None:
+        raise CannotRun("demo: --xid is the efa demo's fault; the ib demo's fault is an InfiniBand port "
+                        "going down (--gpu picks the GPU whose port it is): leave out --xid, or use --fabric efa")
+    if args.xid is None:
+        args.xid = DEMO_XID
     return run_demo(args)
 
 

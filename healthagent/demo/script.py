@@ -5,6 +5,9 @@ devices in a sysfs tree, a /dev/kmsg-format log, an 8 x H100 NVML scenario serve
 ``libnvidia-ml.so.1`` compiled from C), starts the same ``AgentRuntime`` that ``healthagent run``
 starts, with Kubernetes in dry-run, and then appends a real-format XID record to the kernel log.
 What the demo prints is read back from the running agent: its verdict and its ``/metrics``.
+``--fabric ib`` runs the same agent on an InfiniBand node instead (``ib_script.py``); the helpers
+here (starting the agent, printing findings, the taint steps, the scrape, ``--keep-running``)
+serve both scripts.
 
 Putting the stub in NVML's place is the demo's own step (``stub_setup``), taken here before the
 agent is built; the agent itself never compiles or swaps a library.
@@ -13,6 +16,7 @@ agent is built; the agent itself never compiles or swaps a library.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import secrets
 import shlex
@@ -21,29 +25,32 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from healthagent.config import Settings, load_settings
-from healthagent.model import Action
+from healthagent.model import Action, Verdict
 
 if TYPE_CHECKING:
+    from healthagent.agent import Agent
     from healthagent.demo.node import DemoNode
     from healthagent.wiring import AgentRuntime
 
 POLL_SECONDS = 0.02
-DEMO_GRACE_SECONDS = 3.0  # NoSchedule -> NoExecute for replace_node; 120 s on a real node
+DEMO_GRACE_SECONDS = 3.0  # NoSchedule -> NoExecute for replace_node and reboot_node; 120 s on a real node
 # The effects pass over the node by themselves this often in the demo (5 s on a real node), so the
 # NoExecute step lands within half a second of its grace rather than up to 5 s after it.
 DEMO_EFFECTS_PASS_SECONDS = 0.5
 DEMO_JOB = "demo-job"
 
 
-def _say(text: str = "") -> None:
+def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
+def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``predicate`` (the agent's state) until it holds or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -52,20 +59,26 @@ def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
     return False
 
 
-def _metrics_excerpt(url: str, prefixes: tuple[str, ...]) -> list[str]:
+def metrics_excerpt(url: str, keep: Callable[[str], bool]) -> list[str]:
+    """The sample lines of one scrape of ``url`` that ``keep`` picks."""
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
-    return [line for line in text.splitlines()
-            if line.startswith(prefixes) and not line.endswith(" 0.0")]
+    return [line for line in text.splitlines() if not line.startswith("#") and keep(line)]
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from healthagent.demo.node import build_demo_root
 
+    ib = args.fabric == "ib"
     if args.prepare:
-        node = build_demo_root(Path(args.prepare))
-        _say(f"demo host root written to {node.root}")
-        _say(f"try: {_check_command(node)}")
+        if ib:
+            from healthagent.demo.ib_node import build_ib_demo_root
+
+            node = build_ib_demo_root(Path(args.prepare)).node
+        else:
+            node = build_demo_root(Path(args.prepare))
+        say(f"demo host root written to {node.root}")
+        say(f"try: {_check_command(node)}")
         return 0
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
@@ -75,26 +88,38 @@ def run_demo(args: argparse.Namespace) -> int:
     # a stub from passing for a real GPU elsewhere would only be a scary first line here.
     logging.getLogger("healthagent.demo.stub_setup").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="healthagent-demo-") as tmp:
+        if ib:
+            from healthagent.demo.ib_script import run_ib_demo
+
+            return run_ib_demo(args, Path(tmp))
         node = build_demo_root(Path(tmp) / "host")
-        _say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 answered by the stub NVML library "
-             f"the demo builds, {len(node.efa_devices)} EFA devices), Kubernetes in dry-run")
-        settings = demo_settings(node, Path(tmp), args.listen)
-        from healthagent.demo.stub_setup import use_stub_nvml
-        from healthagent.wiring import AgentRuntime
-
-        use_stub_nvml(node.scenario)
-        runtime = AgentRuntime(settings)
-        if runtime.agent.effects_worker is not None:
-            runtime.agent.effects_worker.retry_seconds = DEMO_EFFECTS_PASS_SECONDS
-        runtime.start()
-        try:
+        say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 answered by the stub NVML library "
+            f"the demo builds, {len(node.efa_devices)} EFA devices), Kubernetes in dry-run")
+        with running_agent(node, demo_settings(node, Path(tmp), args.listen)) as runtime:
             return _script(args, node, runtime)
-        finally:
-            runtime.stop()
 
 
-def demo_settings(node: DemoNode, workdir: Path, listen: str = "127.0.0.1:0") -> Settings:
-    """The agent's settings for the demo node (docs/metrics.md counts the series they give)."""
+@contextlib.contextmanager
+def running_agent(node: DemoNode, settings: Settings) -> Iterator[AgentRuntime]:
+    """The ``AgentRuntime`` that ``healthagent run`` starts, on ``node`` with the stub in NVML's
+    place and the effects passing over the node every ``DEMO_EFFECTS_PASS_SECONDS``; stopped on exit."""
+    from healthagent.demo.stub_setup import use_stub_nvml
+    from healthagent.wiring import AgentRuntime
+
+    use_stub_nvml(node.scenario)
+    runtime = AgentRuntime(settings)
+    if runtime.agent.effects_worker is not None:
+        runtime.agent.effects_worker.retry_seconds = DEMO_EFFECTS_PASS_SECONDS
+    runtime.start()
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
+
+
+def demo_settings(node: DemoNode, workdir: Path, listen: str = "127.0.0.1:0", **overrides: object) -> Settings:
+    """The agent's settings for the demo node (docs/metrics.md counts the series they give);
+    ``overrides``: settings of a variant of the demo (the InfiniBand node's name and policy file)."""
     return load_settings(env={}, flags={
         "host_root": str(node.root), "kube": "dry-run", "listen": listen,
         "state_file": str(workdir / "state.json"), "node_name": "demo-p5-node",
@@ -104,6 +129,7 @@ def demo_settings(node: DemoNode, workdir: Path, listen: str = "127.0.0.1:0") ->
         # The intake on a free port of its own, closed as on a cluster: this run's random
         # training key opens it (printed as a job token with --keep-running).
         "training_token": secrets.token_hex(16),
+        **overrides,
     })
 
 
@@ -135,84 +161,129 @@ def no_execute_words(seconds: float) -> str:
 
 def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime) -> int:
     agent = runtime.agent
-    metrics_url = f"http://127.0.0.1:{runtime.server.port}/metrics"
-    intake_url = f"http://127.0.0.1:{runtime.server.intake_port}/v1/training"
-    if not _wait_for(lambda: agent.verdict is not None and agent.cycles > 0, 15):
-        _say("the agent did not complete a cycle in 15 s; see the log lines above")
+    urls = Urls.of(runtime)
+    if not first_cycle(agent):
         return 3
     snapshot_gpus = agent._latest_gpus()
     efa_devices = sorted({s.device for item in agent.scheduled if item.last for s in item.last.efa})
-    _say(f"\n1. Healthy start: read {len(snapshot_gpus)} GPUs and {len(efa_devices)} EFA devices; "
-         f"verdict = {agent.verdict.action.value}")
+    say(f"\n1. Healthy start: read {len(snapshot_gpus)} GPUs and {len(efa_devices)} EFA devices; "
+        f"verdict = {agent.verdict.action.value}")
     for gpu in snapshot_gpus:
-        _say(f"   GPU {gpu.index}  {gpu.pci_bus_id}  {gpu.name}  {gpu.temperature_c} C  {gpu.power_w} W")
-    _say(f"   metrics: {metrics_url} and the training intake: {intake_url}, each on a port of "
-         f"its own (served while the demo runs; add --keep-running to keep them up)")
+        say(f"   GPU {gpu.index}  {gpu.pci_bus_id}  {gpu.name}  {gpu.temperature_c} C  {gpu.power_w} W")
+    urls.say_served()
 
     pci = node.gpu_pci_bus_ids[args.gpu]
-    _say(f"\n2. Fault: the driver logs XID {args.xid} on GPU {args.gpu} ({pci}) in the kernel log")
+    say(f"\n2. Fault: the driver logs XID {args.xid} on GPU {args.gpu} ({pci}) in the kernel log")
     started = time.monotonic()
     node.inject_xid(args.gpu, args.xid)
-    detected = _wait_for(lambda: any(args.xid in f.xids for f in agent.verdict.findings), 10)
+    detected = wait_for(lambda: any(args.xid in f.xids for f in agent.verdict.findings), 10)
     elapsed = time.monotonic() - started
     if not detected:
-        _say("   the agent did not report the XID within 10 s")
+        say("   the agent did not report the XID within 10 s")
         return 3
     verdict = agent.verdict
-    _say(f"   detected in {elapsed * 1000:.0f} ms; verdict = {verdict.action.value}")
+    say(f"   detected in {elapsed * 1000:.0f} ms; verdict = {verdict.action.value}")
+    say_findings(verdict)
+
+    say("\n3. What the agent would write to Kubernetes (dry-run; log lines above show each write)")
+    take_out(agent, no_execute=agent.verdict.action is Action.REPLACE_NODE)
+
+    say("\n4. What Prometheus scrapes from the agent now")
+    prefixes = ("healthagent_xid_errors_total", "healthagent_node_action", "healthagent_findings",
+                "healthagent_gpu_up{gpu=\"%d\"" % args.gpu)
+    say_scrape(runtime, urls, lambda line: line.startswith(prefixes) and not line.endswith(" 0.0"))
+    if args.keep_running:
+        keep_running(runtime, urls)
+    return 0
+
+
+@dataclass(frozen=True)
+class Urls:
+    """Where the demo agent serves: its own port (``/metrics``) and the training intake's."""
+
+    metrics: str
+    intake: str
+
+    @classmethod
+    def of(cls, runtime: AgentRuntime) -> Urls:
+        return cls(f"http://127.0.0.1:{runtime.server.port}/metrics",
+                   f"http://127.0.0.1:{runtime.server.intake_port}/v1/training")
+
+    def say_served(self) -> None:
+        say(f"   metrics: {self.metrics} and the training intake: {self.intake}, each on a port of "
+            f"its own (served while the demo runs; add --keep-running to keep them up)")
+
+
+def first_cycle(agent: Agent) -> bool:
+    """Wait for the agent's first decision; False (said) when it does not come."""
+    if wait_for(lambda: agent.verdict is not None and agent.cycles > 0, 15):
+        return True
+    say("the agent did not complete a cycle in 15 s; see the log lines above")
+    return False
+
+
+def say_findings(verdict: Verdict) -> None:
+    """Each finding with its action, why, what was seen and what to do next."""
     for f in verdict.findings:
         where = f"GPU {f.gpu_index} {f.pci_bus_id}" if f.gpu_index is not None else f.subject
-        _say(f"   [{f.code}] {where}: {f.action.value}")
-        _say(f"      why:  {f.summary}")
-        _say(f"      seen: {f.evidence}")
-        _say(f"      next: {f.next_steps}")
+        say(f"   [{f.code}] {where}: {f.action.value}")
+        say(f"      why:  {f.summary}")
+        say(f"      seen: {f.evidence}")
+        say(f"      next: {f.next_steps}")
 
-    _say("\n3. What the agent would write to Kubernetes (dry-run; log lines above show each write)")
+
+def take_out(agent: Agent, no_execute: bool) -> None:
+    """Say the taint steps as the effects take them: NoSchedule, then (``no_execute``: the action
+    evicts) NoExecute once the grace has passed; then the taint as it stands."""
     def taint_is(effect: str) -> Callable[[], bool]:
         return lambda: agent.kube_status.taint_effect == effect
 
-    if agent.verdict.action.needs_node_action and _wait_for(taint_is("NoSchedule"), 10):
+    if agent.verdict.action.needs_node_action and wait_for(taint_is("NoSchedule"), 10):
         tainted = time.monotonic()
-        _say("   taint NoSchedule now: no new pods land here; the job keeps running so it can checkpoint")
-        if agent.verdict.action is Action.REPLACE_NODE:
-            _say(f"   NoExecute follows once the grace has passed: {DEMO_GRACE_SECONDS:g} s after the "
-                 f"NoSchedule taint in the demo (120 s by default), at the effects' next pass "
-                 f"(every {DEMO_EFFECTS_PASS_SECONDS:g} s in the demo)")
+        say("   taint NoSchedule now: no new pods land here; the job keeps running so it can checkpoint")
+        if no_execute:
+            say(f"   NoExecute follows once the grace has passed: {DEMO_GRACE_SECONDS:g} s after the "
+                f"NoSchedule taint in the demo (120 s by default), at the effects' next pass "
+                f"(every {DEMO_EFFECTS_PASS_SECONDS:g} s in the demo)")
             waited = DEMO_GRACE_SECONDS + 15
-            if _wait_for(taint_is("NoExecute"), waited):
-                _say("   " + no_execute_words(time.monotonic() - tainted))
+            if wait_for(taint_is("NoExecute"), waited):
+                say("   " + no_execute_words(time.monotonic() - tainted))
             else:
-                _say(f"   no NoExecute within {waited:g} s of NoSchedule; see the log lines above")
+                say(f"   no NoExecute within {waited:g} s of NoSchedule; see the log lines above")
     kube = agent.kube_status
-    _say(f"   taint effect now: {kube.taint_effect or 'none'}; budget holding it back: {kube.budget_blocked}")
+    say(f"   taint effect now: {kube.taint_effect or 'none'}; budget holding it back: {kube.budget_blocked}")
 
-    _say("\n4. What Prometheus scrapes from the agent now")
+
+def say_scrape(runtime: AgentRuntime, urls: Urls, keep: Callable[[str], bool]) -> None:
+    """The lines ``keep`` picks from a scrape taken once /metrics serves the agent's verdict."""
+    agent = runtime.agent
 
     def published() -> bool:  # /metrics serves this verdict and what the effects last reported
         snapshot = runtime.telemetry.snapshot
         return snapshot is not None and snapshot.verdict is agent.verdict and snapshot.kube == agent.kube_status
 
-    _wait_for(published, 10)
-    for line in _metrics_excerpt(metrics_url, ("healthagent_xid_errors_total", "healthagent_node_action",
-                                               "healthagent_findings", "healthagent_gpu_up{gpu=\"%d\"" % args.gpu)):
-        _say(f"   {line}")
-    if args.keep_running:
-        from healthagent.training.access import job_token
+    wait_for(published, 10)
+    for line in metrics_excerpt(urls.metrics, keep):
+        say(f"   {line}")
 
-        token = job_token(runtime.settings.training_token, DEMO_JOB)
-        # Ctrl-C and SIGTERM end the wait below whatever this process inherited: a shell starts a
-        # background job with SIGINT ignored, and Python then keeps it ignored. The handler only
-        # notes the signal, so one that lands while the lines below are still printing (a busy
-        # machine can deliver it before the wait starts) ends the demo the same clean way. A plain
-        # list, not a threading.Event: setting an Event from a handler can deadlock on its lock.
-        signals_received: list[int] = []
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda received, _frame: signals_received.append(received))
-        _say(f"\nserving {metrics_url} and {intake_url} until Ctrl-C; report a training step with "
-             f"this run's token for job {DEMO_JOB!r}:")
-        _say(f"   curl -s -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' "
-             f"{intake_url} -d '{{\"type\":\"step\",\"job\":\"{DEMO_JOB}\",\"rank\":0,"
-             f"\"world_size\":8,\"step\":1,\"tokens\":4096,\"samples\":8,\"step_seconds\":1.5}}'")
-        while not signals_received:
-            time.sleep(0.5)  # a signal cuts the sleep short and runs the handler at once
-    return 0
+
+def keep_running(runtime: AgentRuntime, urls: Urls) -> None:
+    """``--keep-running``: serve both ports until Ctrl-C or SIGTERM, with a job token to try the intake."""
+    from healthagent.training.access import job_token
+
+    token = job_token(runtime.settings.training_token, DEMO_JOB)
+    # Ctrl-C and SIGTERM end the wait below whatever this process inherited: a shell starts a
+    # background job with SIGINT ignored, and Python then keeps it ignored. The handler only
+    # notes the signal, so one that lands while the lines below are still printing (a busy
+    # machine can deliver it before the wait starts) ends the demo the same clean way. A plain
+    # list, not a threading.Event: setting an Event from a handler can deadlock on its lock.
+    signals_received: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda received, _frame: signals_received.append(received))
+    say(f"\nserving {urls.metrics} and {urls.intake} until Ctrl-C; report a training step with "
+        f"this run's token for job {DEMO_JOB!r}:")
+    say(f"   curl -s -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' "
+        f"{urls.intake} -d '{{\"type\":\"step\",\"job\":\"{DEMO_JOB}\",\"rank\":0,"
+        f"\"world_size\":8,\"step\":1,\"tokens\":4096,\"samples\":8,\"step_seconds\":1.5}}'")
+    while not signals_received:
+        time.sleep(0.5)  # a signal cuts the sleep short and runs the handler at once

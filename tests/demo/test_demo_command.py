@@ -52,6 +52,39 @@ def test_an_application_xid_leaves_the_node_in_the_job():
     assert "taint effect now: none" in out and "NoSchedule now" not in out
 
 
+def test_an_infiniband_port_going_down_takes_the_node_out_of_the_job():
+    done = run_demo("--fabric", "ib")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "read 8 GPUs and 10 InfiniBand/RoCE ports, every port up; verdict = none" in out
+    assert "mlx5_3/1  ibp75s0        InfiniBand  400 Gb/sec (4X NDR)  ACTIVE, LinkUp  GPU 3 (0000:4c:00.0)" in out
+    assert "EFA" not in out.split("2. Fault", 1)[0].replace("no EFA", "")  # an InfiniBand node has none
+    # The port goes down after the agent has seen it up; the finding says what and what to do.
+    assert "verdict = reboot_node" in out
+    assert "[RDMA_PORT_DOWN] mlx5_3/1: reboot_node" in out
+    assert "seen: state 1: DOWN, phys_state 2: Polling; it was up at " in out
+    assert "next: Port mlx5_3/1 was up and is not" in out and "`ibstat`" in out
+    # The networking condition, then the node leaves the job: NoSchedule, NoExecute after the grace.
+    assert "condition EfaHealthy=False, reason RDMA_PORT_DOWN: the node's networking condition" in out
+    assert "taint NoSchedule now" in out and "taint NoExecute now" in out
+    assert "taint effect now: NoExecute" in out
+    assert 'healthagent_infiniband_port_up{device="mlx5_3",port="1"} 0.0' in out
+    assert 'healthagent_infiniband_state_id{device="mlx5_3",port="1"} 1.0' in out
+    assert 'healthagent_findings{action="reboot_node",code="RDMA_PORT_DOWN"} 1.0' in out
+    assert 'healthagent_node_action{action="reboot_node"} 1.0' in out
+
+
+def test_fabric_takes_efa_or_ib_and_the_xid_only_with_efa(capsys):
+    from healthagent.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--fabric", "roce"])
+    assert exited.value.code == 3
+    assert "argument --fabric: invalid choice: 'roce' (choose from 'efa', 'ib')" in capsys.readouterr().err
+    assert main(["demo", "--fabric", "ib", "--xid", "79"]) == 3
+    assert "--xid is the efa demo's fault; the ib demo's fault is an InfiniBand port going down" in capsys.readouterr().err
+
+
 def test_prepare_writes_a_root_that_check_reads(tmp_path):
     done = run_demo("--prepare", str(tmp_path / "root"))
     assert done.returncode == 0, done.stderr
