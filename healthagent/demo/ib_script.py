@@ -2,9 +2,9 @@
 
 The same agent as ``healthagent demo`` (``script.py`` starts it the same way, Kubernetes in
 dry-run), on a DGX H100-shaped node (``ib_node.py``): 8 x H100, eight NDR InfiniBand ports, one
-behind each GPU's PCIe switch, and two RoCE ports for storage, no EFA. The scripted fault is what
-takes InfiniBand nodes out of jobs most often: a cable or a transceiver fails, and the port's
-sysfs files read ``1: DOWN`` / ``2: Polling``. What the demo prints is read back from the running
+behind each GPU's PCIe switch, and two RoCE ports for storage, no EFA. The scripted fault is an
+everyday one on InfiniBand nodes: a cable or a transceiver fails, and the port's sysfs files read
+``1: DOWN`` / ``2: Polling``. What the demo prints is read back from the running
 agent: the ports it read, its verdict, the node condition and taints the effects wrote (dry-run
 logs each write, and the demo reads the condition from that record) and its ``/metrics``.
 
