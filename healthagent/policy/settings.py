@@ -8,6 +8,8 @@ A policy file looks like this (every key optional; see ``docs/findings.md#policy
       94: restart_app
     sxid:                # NVSwitch SXid number -> action (default monitor)
       12028: reboot_node
+    mlx5:                # ConnectX (mlx5) kernel-log event -> action; overrides mlx5_events.csv
+      module_bad_cable: reboot_node
     disabled_rules: [GPU_POWER_THROTTLE]
     findings:            # when a finding may open (debounce.py; parsed in debounce_file.py)
       GPU_NVLINK_ERRORS: {count: 3, window: 10m, after_boot_grace: 15m}
@@ -29,13 +31,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from healthagent.config import read_yaml
 from healthagent.model import Action
 from healthagent.policy.debounce import ALIASES, Rule, alias_default
 from healthagent.policy.debounce_file import Rules, built_in_rules, parse_rules
 from healthagent.policy.findings import DOCS, FINDING_CODES
+from healthagent.policy.mlx5_catalog import event_ids
 
 
 class PolicyError(Exception):
@@ -82,11 +85,13 @@ THRESHOLDS: dict[str, Threshold] = {
     "rdma_link_error_per_minute": Threshold(10, "number", "link_error_recovery + local_link_integrity_errors per minute tolerated (infiniband-diags: 10 each)"),
     "rdma_rcv_errors_per_minute": Threshold(10, "number", "port_rcv_errors + port_rcv_remote_physical_errors per minute tolerated (infiniband-diags' PortRcvErrors: 10)"),
     "rdma_xmit_discards_per_minute": Threshold(100, "number", "port_xmit_discards per minute tolerated (infiniband-diags' PortXmitDiscards: 100)"),
+    "mlx5_window_seconds": Threshold(3600, "seconds", "a ConnectX (mlx5) adapter event below reboot_node drives the verdict this long after its last line"),
+    "mlx5_repeat_seconds": Threshold(604800, "seconds", "a reboot_node adapter event that comes back on the same adapter after a reboot, within this long of the last one, becomes replace_node (0: never)"),
 }
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _NUMBER = re.compile(r"[0-9]{1,64}")  # ASCII digits only: str.isdigit() also takes "٩٤" and "²"
-TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings")
+TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings", "mlx5")
 # The driver's XID and SXid fields: the kernel-log parser reads at most nine digits (a longer
 # number is a malformed line), so a rule for a larger one could never match anything.
 MAX_XID = 999_999_999
@@ -98,12 +103,13 @@ MAX_INCIDENTS_PER_GPU = 64  # each open incident is memory, a finding and part o
 
 @dataclass(frozen=True)
 class Policy:
-    """Thresholds, windows, XID/SXid action overrides and disabled rules; immutable once loaded."""
+    """Thresholds, windows, XID/SXid/mlx5 action overrides and disabled rules; immutable once loaded."""
 
     thresholds: Mapping[str, float] = field(
         default_factory=lambda: MappingProxyType({k: t.default for k, t in THRESHOLDS.items()}))
     xid_actions: Mapping[int, Action] = field(default_factory=lambda: MappingProxyType({}))
     sxid_actions: Mapping[int, Action] = field(default_factory=lambda: MappingProxyType({}))
+    mlx5_actions: Mapping[str, Action] = field(default_factory=lambda: MappingProxyType({}))
     disabled_rules: frozenset[str] = frozenset()
     rules: Rules = field(default_factory=built_in_rules)  # when each finding may open
     source: str = ""  # the file it came from; "" = built-in defaults
@@ -137,31 +143,56 @@ def _written(value: Any) -> str:
 
 
 def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:
-    if raw is None:
-        return MappingProxyType({})
-    if not isinstance(raw, dict):
-        raise PolicyError(f"{section}: must be a mapping of {what} number: action, e.g. {{94: restart_app}}")
-    out: dict[int, Action] = {}
-    written: dict[int, Any] = {}  # number -> the key as written, to name both of a pair
-    for key, value in raw.items():
+    """``xid:``/``sxid:`` number -> action."""
+    def number(key: Any) -> int:
         if isinstance(key, bool) or not _NUMBER.fullmatch(str(key).strip()):
             raise PolicyError(f"{section}.{_shown(key)}: {_written(key)} is not an {what} number; use an "
                               "integer such as 94")
-        number = int(str(key).strip())
-        if not 1 <= number <= MAX_XID:
+        value = int(str(key).strip())
+        if not 1 <= value <= MAX_XID:
             raise PolicyError(f"{section}.{_shown(key)}: {what} {_shown(key)} is out of range; {what} numbers "
                               f"are 1 to {MAX_XID}")
-        if number in written:
-            raise PolicyError(f"{section}.{number}: {_written(written[number])} and {_written(key)} both name "
-                              f"{what} {number}; keep one")
-        written[number] = key
+        return value
+
+    return _action_map(section, raw, f"{what} number", "{94: restart_app}", number, what)
+
+
+def _mlx5_actions(raw: Any) -> Mapping[str, Action]:
+    """``mlx5:`` event id -> action, the ids those of ``mlx5_events.csv`` (any case, once each)."""
+    known = event_ids()
+
+    def event(key: Any) -> str:
+        value = str(key).strip().lower()
+        if isinstance(key, bool) or value not in known:
+            raise PolicyError(f"mlx5.{_shown(key)}: {_written(key)} is not a ConnectX event of "
+                              f"healthagent/policy/mlx5_events.csv; use one of: " + ", ".join(known))
+        return value
+
+    return _action_map("mlx5", raw, "ConnectX event", "{module_bad_cable: reboot_node}", event, "event")
+
+
+def _action_map(section: str, raw: Any, keys: str, example: str, read_key: Callable[[Any], Any],
+                noun: str) -> Mapping[Any, Action]:
+    """A section of ``key: action`` rows, each key read by ``read_key`` and named once."""
+    if raw is None:
+        return MappingProxyType({})
+    if not isinstance(raw, dict):
+        raise PolicyError(f"{section}: must be a mapping of {keys}: action, e.g. {example}")
+    out: dict[Any, Action] = {}
+    written: dict[Any, Any] = {}  # key as read -> the key as written, to name both of a pair
+    for key, value in raw.items():
+        name = read_key(key)
+        if name in written:
+            raise PolicyError(f"{section}.{name}: {_written(written[name])} and {_written(key)} both name "
+                              f"{noun} {name}; keep one")
+        written[name] = key
         if not isinstance(value, str):
-            raise PolicyError(f"{section}.{number}: {value!r} is not an action; use one of: "
+            raise PolicyError(f"{section}.{name}: {value!r} is not an action; use one of: "
                               + ", ".join(a.value for a in Action))
         try:
-            out[number] = Action.parse(value)
+            out[name] = Action.parse(value)
         except ValueError as exc:
-            raise PolicyError(f"{section}.{number}: {exc}") from None
+            raise PolicyError(f"{section}.{name}: {exc}") from None
     return MappingProxyType(out)
 
 
@@ -234,6 +265,7 @@ def parse_policy(data: Any, source: str = "", readings: Mapping[str, float] | No
         thresholds=MappingProxyType(thresholds),
         xid_actions=_actions("xid", data.get("xid"), "XID"),
         sxid_actions=_actions("sxid", data.get("sxid"), "SXid"),
+        mlx5_actions=_mlx5_actions(data.get("mlx5")),
         disabled_rules=_disabled(data.get("disabled_rules")),
         rules=parse_rules(data.get("findings"), aliases, readings),
         source=source,
