@@ -1,8 +1,8 @@
 """The records every layer shares.
 
-Sources produce observations (``GpuSample``, ``XidEvent``, ``EfaSample``) bundled in a
-``Collection``; policy turns observations into ``Finding``s and one ``Verdict``; effects and
-telemetry read the verdict and the latest collection. Everything here is a frozen dataclass so a
+Sources produce observations (``GpuSample``, ``XidEvent``, ``EfaSample``, ``AdapterEvent`` from
+``model_adapter``, re-exported here) bundled in a ``Collection``; policy turns observations into
+``Finding``s and one ``Verdict``; effects and telemetry read the verdict and the latest collection. Everything here is a frozen dataclass so a
 record can be handed between the loop, the exporter's snapshot and the policy without copies or
 locks: nobody can mutate what someone else is reading.
 
@@ -16,6 +16,8 @@ import enum
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
+
+from healthagent.model_adapter import AdapterCount, AdapterEvent
 
 if TYPE_CHECKING:
     from healthagent.effects.stage import StageHistory
@@ -284,6 +286,7 @@ class Collection:
     xids: tuple[XidEvent, ...] = ()
     efa: tuple[EfaSample, ...] = ()
     rdma: tuple[RdmaPort, ...] = ()
+    adapter_events: tuple[AdapterEvent, ...] = ()  # mlx5 (ConnectX) kernel-log events
     health: tuple[SourceHealth, ...] = ()
     boot_id: str = ""
     # When the node booted, on the clock of ``timestamp`` (the decision clock: its epoch, the
@@ -471,6 +474,7 @@ class AgentSnapshot:
     efa: tuple[EfaSample, ...] = ()
     rdma: tuple[RdmaPort, ...] = ()
     xid_counts: tuple[XidCount, ...] = ()
+    adapter_counts: tuple[AdapterCount, ...] = ()
     health: tuple[SourceHealth, ...] = ()
     verdict: Verdict | None = None
     kube: KubeStatus = field(default_factory=KubeStatus)

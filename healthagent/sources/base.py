@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
 from healthagent.common import ErrorTally
-from healthagent.model import EfaSample, GpuSample, RdmaPort, SourceHealth, XidEvent
+from healthagent.model import AdapterEvent, EfaSample, GpuSample, RdmaPort, SourceHealth, XidEvent
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class SourceResult:
     xids: tuple[XidEvent, ...] = ()
     efa: tuple[EfaSample, ...] = ()
     rdma: tuple[RdmaPort, ...] = ()
+    adapter_events: tuple[AdapterEvent, ...] = ()  # mlx5 (ConnectX) lines of the kernel log
 
 
 class Source(Protocol):

@@ -33,6 +33,12 @@ given (the source gives one; ``healthagent classify`` does not): its first ``kep
 events, the rest one more event that carries their count (``XidEvent.repeats``). A flood of a
 million XID 13s then costs the policy a handful of events, and the XID after it is acted on as
 soon as it is read.
+
+mlx5_core (ConnectX) lines are read by the same parser, through the same header, facility and
+earlier-boot handling, and folded the same way: ``kernel_log/mlx5.py`` says what a message means,
+and such a line becomes an ``AdapterEvent`` (a malformed one is counted ``parse``). A record of
+another facility is counted for them only when it quotes one of their events, not for naming the
+driver.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
 
-from healthagent.model import FALLEN_OFF_BUS_XID, INIT_FAILED, XidEvent, canonical_pci_bus_id
+from healthagent.model import FALLEN_OFF_BUS_XID, INIT_FAILED, AdapterEvent, XidEvent, canonical_pci_bus_id
 from healthagent.common import ErrorTally
+from healthagent.sources.kernel_log import mlx5
 from healthagent.sources.kernel_log.formats import (
     KERNEL_FACILITY,
     from_kernel,
@@ -55,6 +62,8 @@ from healthagent.sources.kernel_log.formats import (
 from healthagent.sources.kernel_log.repeats import RepeatFolder
 
 SOURCE_NAME = "kmsg"
+# What the parser reports: a GPU's XID (and its kin) or a ConnectX adapter's event.
+KernelEvent = XidEvent | AdapterEvent
 # A kernel record's text is at most 8 KiB; of a longer candidate line only this much is parsed.
 MAX_PARSED_CHARS = 16 * 1024
 # Lines before a resume point whose context the parser needs (look-back, SXid headline).
@@ -76,6 +85,7 @@ _GPU_PREFIX = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?((?:[0-9a-fA-F]{4,8}:)?[0-
 # The first line of the probe-time report, the only line a later "fallen off" line may borrow from.
 _PROBE_HEAD = "The NVIDIA GPU"
 _INIT_FAILED = "RmInitAdapter failed"
+_MLX5 = mlx5.MARK  # "mlx5_core": the ConnectX driver's lines
 _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
 _SXID_DETAIL_PREFIXES = ("Severity", "Data")
 
@@ -93,7 +103,8 @@ class LogChunk:
 
 
 class XidLineParser:
-    """Turns kernel-log lines into ``XidEvent``s; never raises, counts what it cannot read.
+    """Turns kernel-log lines into ``XidEvent``s and ``AdapterEvent``s; never raises, counts what it
+    cannot read.
 
     Stateful only in small ways: the last two lines (the probe-time fallen-off-the-bus report
     names its GPU two lines earlier in dmesg's output), the last SXid headline (its ``Severity``
@@ -114,7 +125,7 @@ class XidLineParser:
         self._last_sxid: tuple[str, int] | None = None
         self.repeats = repeats
 
-    def feed(self, chunk: LogChunk) -> Iterator[XidEvent]:
+    def feed(self, chunk: LogChunk) -> Iterator[KernelEvent]:
         """The events of a reader's chunk: its context is taken first (at once), then its lines
         are scanned (lazily)."""
         if chunk.context:
@@ -132,21 +143,21 @@ class XidLineParser:
         finally:
             self.tally, self.repeats = tally, repeats
 
-    def take_repeats(self) -> list[XidEvent]:
+    def take_repeats(self) -> list[KernelEvent]:
         """End the read in progress: the events that stand for the reports folded in it (each the
         last of its run, with ``repeats``); [] without a folder or when nothing was folded."""
         if self.repeats is None:
             return []
         return self.repeats.take(self.parse)
 
-    def scan(self, lines: Iterable[str]) -> Iterator[XidEvent]:
-        """The events in ``lines``, lazily. Non-XID lines cost three substring tests."""
+    def scan(self, lines: Iterable[str]) -> Iterator[KernelEvent]:
+        """The events in ``lines``, lazily. Other lines cost four substring tests."""
         before, last = self._previous
         folded = self.repeats.fold_record if self.repeats is not None else None
         try:
             for line in lines:
                 # the cheap pre-filter, then a storm's repeats folded from their text: the hot path
-                if ("Xid" in line or "fallen off" in line or _INIT_FAILED in line) and not (
+                if ("Xid" in line or "fallen off" in line or _INIT_FAILED in line or _MLX5 in line) and not (
                         folded is not None and folded(line, MAX_PARSED_CHARS)):
                     event = self._candidate(line, (before, last))
                     if event is not None:
@@ -155,17 +166,17 @@ class XidLineParser:
         finally:
             self._previous = (before, last)
 
-    def _records(self, lines: Iterable[str]) -> Iterator[XidEvent]:
+    def _records(self, lines: Iterable[str]) -> Iterator[KernelEvent]:
         """The events of whole records: each is parsed alone, without look-back."""
         folded = self.repeats.fold_record if self.repeats is not None else None
         for line in lines:
-            if ("Xid" in line or "fallen off" in line or _INIT_FAILED in line) and not (
+            if ("Xid" in line or "fallen off" in line or _INIT_FAILED in line or _MLX5 in line) and not (
                     folded is not None and folded(line, MAX_PARSED_CHARS)):
                 event = self._candidate(line, ("", ""))
                 if event is not None:
                     yield event
 
-    def _candidate(self, line: str, previous: tuple[str, str]) -> XidEvent | None:
+    def _candidate(self, line: str, previous: tuple[str, str]) -> KernelEvent | None:
         """A line the pre-filter let through and no folded run took: its event, or None (nothing,
         or folded after parsing)."""
         repeats = self.repeats
@@ -174,7 +185,7 @@ class XidLineParser:
             return None
         return event
 
-    def parse(self, line: str, previous: tuple[str, str] = ("", "")) -> XidEvent | None:
+    def parse(self, line: str, previous: tuple[str, str] = ("", "")) -> KernelEvent | None:
         """The event one candidate line reports, or None. A parser bug costs one line (counted),
         never the agent."""
         if len(line) > MAX_PARSED_CHARS:
@@ -186,7 +197,7 @@ class XidLineParser:
             head = kmsg_header(raw)
             if head is not None:
                 if head.facility != KERNEL_FACILITY:
-                    return self._not_kernel(raw, f"facility {head.facility}")
+                    return self._not_kernel(raw, raw[head.end:], f"facility {head.facility}")
                 seq: int | None = head.seq
                 timestamp: float | None = self.boot_time + head.usec / 1e6
                 message = raw[head.end:]
@@ -197,8 +208,8 @@ class XidLineParser:
                     return None  # a /dev/kmsg dictionary line, never a report
                 prefix = text_prefix(raw)
                 if not from_kernel(prefix):
-                    return self._not_kernel(raw, f"priority <{prefix.group('pri')}>" if prefix.group("pri")
-                                            else f"facility {prefix.group('fac')}")
+                    return self._not_kernel(raw, raw[prefix.end():], f"priority <{prefix.group('pri')}>"
+                                            if prefix.group("pri") else f"facility {prefix.group('fac')}")
                 if prefix.group("pid") and prefix.group("tag") != "kernel":
                     return None  # a user-space program's syslog line quoting an XID, not the driver
                 seq = None
@@ -206,13 +217,15 @@ class XidLineParser:
                 if "#012" in message:  # rsyslog's escape of an embedded newline
                     message = message.replace("#012", "\n")
                 timestamp = self._timestamp(prefix, raw)
-            event = None
+            event: KernelEvent | None = None
             if "Xid" in message:
                 event = self._xid_event(raw, message, timestamp, seq)
             if event is None and "fallen off" in message and ("NVRM" in message or "GPU" in message):
                 event = self._fallen_off_event(raw, message, timestamp, seq, previous)
             if event is None and _INIT_FAILED in message and "NVRM" in message:
                 event = self._init_failed_event(raw, message, timestamp, seq)
+            if event is None and _MLX5 in message:
+                event = self._adapter_event(raw, message, timestamp, seq)
         except Exception as exc:
             self.tally.count("parse", f"parser error={exc!r} line={line[:300]!r}")
             return None
@@ -221,8 +234,15 @@ class XidLineParser:
             event = replace(event, previous_boot=True)  # a kmsg record (seq) is always this boot's
         return event
 
-    def _not_kernel(self, raw: str, which: str) -> None:
-        """A record user space wrote (not facility 0): never a report, counted."""
+    def _not_kernel(self, raw: str, message: str, which: str) -> None:
+        """A record user space wrote (not facility 0): never a report; counted when it reads like one
+        (any line the XID words let through; of the mlx5_core lines, only an event's)."""
+        if _MLX5 in message and not ("Xid" in message or "fallen off" in message or _INIT_FAILED in message):
+            try:
+                if mlx5.read_report(message) is None:
+                    return None  # the driver's name in someone's text, not an adapter event
+            except mlx5.Malformed:
+                pass
         self.tally.count("not_kernel_facility", f"a record of {which}, not the kernel's, ignored: {raw[:300]!r}")
         return None
 
@@ -328,6 +348,28 @@ class XidLineParser:
             xid=0, pci_bus_id=pci or "", message=message, line=raw,
             timestamp=self.now if timestamp is None else timestamp, source=SOURCE_NAME, kind=INIT_FAILED,
             seq=seq, boot_id=self.boot_id if seq is not None else "",
+        )
+
+    def _adapter_event(self, raw: str, message: str, timestamp: float | None,
+                       seq: int | None) -> AdapterEvent | None:
+        """An mlx5_core line (``kernel_log/mlx5.py``): its event, or None for the driver's other
+        lines. A report that lost a part it needs is counted and not reported; one that does not
+        name its adapter is kept with pci_bus_id "" (counted), as an XID without a GPU is."""
+        try:
+            report = mlx5.read_report(message)
+        except mlx5.Malformed as exc:
+            self.tally.count("parse", f"malformed mlx5_core line ({exc}), nothing kept: {raw[:300]!r}")
+            return None
+        if report is None:
+            return None
+        pci = canonical_pci_bus_id(report.pci) if report.pci else None
+        if pci is None:
+            self.tally.count("parse", f"mlx5_core {report.event} line without a readable PCI id (kept with "
+                                      f"pci_bus_id \"\"): {raw[:300]!r}")
+        return AdapterEvent(
+            event=report.event, pci_bus_id=pci or "", message=message, line=raw, detail=report.detail,
+            timestamp=self.now if timestamp is None else timestamp, source=SOURCE_NAME, seq=seq,
+            boot_id=self.boot_id if seq is not None else "",
         )
 
     def _timestamp(self, prefix: re.Match[str], raw: str) -> float | None:

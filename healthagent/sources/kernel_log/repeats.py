@@ -13,6 +13,9 @@ decides from the record's XID text alone, without taking the record apart: that 
 flood cheap to read, not only cheap to judge. Only a record that cannot differ from the ones
 already parsed is folded that way (same header form, same parenthesised GPU text, same number,
 no escapes); anything else is parsed in full first.
+
+A ConnectX adapter's event (``AdapterEvent``: a module flapping, a firmware command timing out
+again and again) folds the same way, by (event, adapter, detail); its lines are always parsed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from healthagent.model import XidEvent
+from healthagent.model import AdapterEvent, XidEvent
 
 # First reports of one (kind, XID, GPU) per read that are handed over as they are.
 REPEATS_KEPT = 8
@@ -30,9 +33,14 @@ REPEATS_KEPT = 8
 _REPORT_TEXT = re.compile(r"Xid\s{0,4}\([^)\n]{0,64}\)\s{0,4}:\s{0,4}\d{1,9}")
 
 EventKey = tuple  # (kind, xid, pci_bus_id, gpu_instance, compute_instance, previous_boot)
+Report = XidEvent | AdapterEvent
 
 
-def event_key(event: XidEvent) -> EventKey:
+def event_key(event: Report) -> EventKey:
+    """What makes two reports the same report: an adapter event's (event, adapter, detail) in
+    the places of an XID's (XID, GPU, MIG instances)."""
+    if isinstance(event, AdapterEvent):
+        return ("mlx5", event.event, event.pci_bus_id, event.detail, None, event.previous_boot)
     return (event.kind, event.xid, event.pci_bus_id, event.gpu_instance, event.compute_instance,
             event.previous_boot)
 
@@ -61,7 +69,7 @@ def record_key(line: str, max_chars: int) -> str | None:
 @dataclass
 class _Folded:
     count: int
-    last: XidEvent | None  # the last folded report, parsed; or
+    last: Report | None  # the last folded report, parsed; or
     line: str  # its record line, parsed when the read ends
 
 
@@ -75,7 +83,7 @@ class RepeatFolder:
         self._seen: dict[EventKey, int] = {}
         self._by_record: dict[str, EventKey] = {}
         self._folded: dict[EventKey, _Folded] = {}
-        self._template: dict[EventKey, XidEvent] = {}
+        self._template: dict[EventKey, Report] = {}
 
     def fold_record(self, line: str, max_chars: int) -> bool:
         """True when this record line is a repeat folded without parsing it."""
@@ -93,13 +101,13 @@ class RepeatFolder:
             folded.last, folded.line = None, line
         return True
 
-    def fold(self, event: XidEvent, line: str, max_chars: int) -> bool:
+    def fold(self, event: Report, line: str, max_chars: int) -> bool:
         """True when ``event`` is a repeat folded into the summary; False: hand it over."""
         key = event_key(event)
         seen = self._seen.get(key, 0)
         if seen < self.kept:
             self._seen[key] = seen + 1
-            if event.kind == "xid" and event.seq is not None and event.pci_bus_id:
+            if isinstance(event, XidEvent) and event.kind == "xid" and event.seq is not None and event.pci_bus_id:
                 record = record_key(line, max_chars)
                 if record is not None and _REPORT_TEXT.fullmatch(record):
                     self._by_record.setdefault(record, key)
@@ -113,7 +121,7 @@ class RepeatFolder:
             folded.last, folded.line = event, ""
         return True
 
-    def take(self, parse: Callable[[str], XidEvent | None]) -> list[XidEvent]:
+    def take(self, parse: Callable[[str], Report | None]) -> list[Report]:
         """The summaries of this read (one per folded report, the last one with ``repeats``), and
         a fresh start for the next read. ``parse`` takes a record line apart."""
         summaries = []

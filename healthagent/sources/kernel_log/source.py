@@ -28,7 +28,7 @@ import errno
 import os
 import stat
 
-from healthagent.model import SourceHealth, XidEvent
+from healthagent.model import AdapterEvent, SourceHealth, XidEvent
 from healthagent.common import ErrorTally
 from healthagent.sources.base import SourceResult, host_path, read_boot_id
 from healthagent.sources.kernel_log.boot import BOOT_TIME_SLACK_SECONDS, read_known_boot_time
@@ -36,7 +36,7 @@ from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.device_reader import KmsgDeviceReader
 from healthagent.sources.kernel_log.file_reader import KernelLogFileReader
 from healthagent.sources.kernel_log.klogctl import KernelLog
-from healthagent.sources.kernel_log.parser import SOURCE_NAME, LogChunk, XidLineParser
+from healthagent.sources.kernel_log.parser import SOURCE_NAME, KernelEvent, LogChunk, XidLineParser
 from healthagent.sources.kernel_log.reader import DEFAULT_KMSG, InputError, KernelLogReader, is_char_device, log
 from healthagent.sources.kernel_log.repeats import RepeatFolder
 from healthagent.sources.kernel_log.ring_reader import KlogctlReader
@@ -57,7 +57,8 @@ _FALLBACK_ERRNOS = (errno.EPERM, errno.EACCES, errno.ENOENT)
 
 
 class KmsgSource:
-    """Follows the kernel log (``<host_root>/dev/kmsg`` or ``kernel_log``) and returns new XIDs.
+    """Follows the kernel log (``<host_root>/dev/kmsg`` or ``kernel_log``) and returns new XIDs
+    and mlx5 (ConnectX) adapter events.
 
     ``cursor`` is where a previous run stopped (``KmsgCursor.from_dict`` of the saved state). After
     each ``collect`` the ``cursor`` property covers exactly the records whose events that call
@@ -102,7 +103,7 @@ class KmsgSource:
         return self._backlog
 
     def collect(self, now: float) -> SourceResult:
-        events: list[XidEvent] = []
+        events: list[KernelEvent] = []
         self._backlog = False
         try:
             if self._reader is None:
@@ -128,11 +129,10 @@ class KmsgSource:
         if self._failure:
             log.info("source=%s event=readable input=%r", SOURCE_NAME, self._reader.description)
             self._failure = ""
-        return SourceResult(health=SourceHealth(source=SOURCE_NAME, up=True, detail=detail,
-                                                errors=self.tally.snapshot()),
-                            xids=tuple(events))
+        return _result(SourceHealth(source=SOURCE_NAME, up=True, detail=detail, errors=self.tally.snapshot()),
+                       events)
 
-    def _end_read(self, events: list[XidEvent]) -> None:
+    def _end_read(self, events: list[KernelEvent]) -> None:
         """Hand over the reports folded in this read (their count in ``repeats``)."""
         if self._parser is not None:
             events.extend(self._parser.take_repeats())
@@ -141,7 +141,7 @@ class KmsgSource:
         if self._reader is not None:
             self._cursor = self._reader.cursor(self._boot_id)
 
-    def _failed(self, exc: OSError, events: list[XidEvent]) -> SourceResult:
+    def _failed(self, exc: OSError, events: list[KernelEvent]) -> SourceResult:
         """Unreadable input: report it (counted once per outage, not per 0.1 s retry), retry later."""
         if isinstance(exc, InputError):
             detail = exc.strerror or str(exc)
@@ -153,9 +153,8 @@ class KmsgSource:
         if not self._failure:
             self.tally.count("unreadable", detail)
         self._failure = detail
-        return SourceResult(health=SourceHealth(source=SOURCE_NAME, up=False, detail=detail,
-                                                errors=self.tally.snapshot()),
-                            xids=tuple(events))
+        return _result(SourceHealth(source=SOURCE_NAME, up=False, detail=detail, errors=self.tally.snapshot()),
+                       events)
 
     def _open(self, now: float) -> KernelLogReader:
         """Pick and open the input, with a parser for it, resuming after this boot's cursor."""
@@ -213,3 +212,9 @@ class KmsgSource:
                 reader.close()
             except OSError:
                 pass
+
+
+def _result(health: SourceHealth, events: list[KernelEvent]) -> SourceResult:
+    """The read's events, each kind in its field, in log order."""
+    return SourceResult(health=health, xids=tuple(e for e in events if isinstance(e, XidEvent)),
+                        adapter_events=tuple(e for e in events if isinstance(e, AdapterEvent)))
