@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from healthagent import __version__
 from healthagent.config import Settings
 from healthagent.model import (
+    AdapterCount,
+    AdapterEvent,
     AgentSnapshot,
     Collection,
     EfaSample,
@@ -99,6 +101,22 @@ class XidTally:
 
     def snapshot(self) -> tuple[XidCount, ...]:
         return tuple(self.counts.values())
+
+
+@dataclass
+class AdapterTally:
+    """Cumulative mlx5 (ConnectX) events by (device, PCI id, event): the data behind
+    ``healthagent_mlx5_events_total``; a folded flood adds its full count."""
+
+    counts: dict[tuple[str, str, str], int] = field(default_factory=dict)
+
+    def add(self, events: Sequence[AdapterEvent]) -> None:
+        for event in events:
+            key = (event.device, event.pci_bus_id, event.event)
+            self.counts[key] = self.counts.get(key, 0) + max(1, event.repeats)
+
+    def snapshot(self) -> tuple[AdapterCount, ...]:
+        return tuple(AdapterCount(event=e, count=n, pci_bus_id=pci, device=d) for (d, pci, e), n in self.counts.items())
 
 
 LOGGED_XIDS = 12  # distinct XIDs a log line names; the rest are counted, never listed
@@ -183,6 +201,7 @@ class Agent:
         # The kernel log's waiter (``KmsgSource.data_waiter``): wakes the loop when it has data.
         self.data_waiter = data_waiter or (lambda: None)
         self.xids = XidTally()
+        self.adapters = AdapterTally()  # mlx5 (ConnectX) events: healthagent_mlx5_events_total
         self.verdict: Verdict | None = None
         self.cycles = 0
         self.state_saves = 0  # times the loop saved the cursor + classifier state
@@ -207,9 +226,11 @@ class Agent:
         """Read what is due, decide, persist, hand off. Never raises for a source's sake."""
         now = self.clock()
         new_xids: list[XidEvent] = []
+        adapter_events: list[AdapterEvent] = []
         for source in self.event_sources:
             result = self._collect(source, now)
             new_xids.extend(result.xids)
+            adapter_events.extend(result.adapter_events)
         if self.nvml is not None:
             new_xids.extend(self.nvml.take_events())
         fresh_periodic = False
@@ -230,9 +251,10 @@ class Agent:
         enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
         operator_clear = self.node_clear()  # a fact about the node object, from the watch's cache
         cleared = bool(operator_clear) and operator_clear != self.classifier.clear_token
-        if self.verdict is None or enriched or fresh_periodic or cleared:
+        new_events = bool(enriched or adapter_events)
+        if self.verdict is None or new_events or fresh_periodic or cleared:
             collection = Collection(
-                timestamp=now, gpus=gpus, xids=enriched, efa=efa, rdma=rdma,
+                timestamp=now, gpus=gpus, xids=enriched, efa=efa, rdma=rdma, adapter_events=tuple(adapter_events),
                 health=tuple(self._health.values()), boot_id=self.boot_id, boot_time=self.boot_time,
                 expected_gpus=self.expected_gpus,
                 expected_efa_devices=self.expected_efa_devices, operator_clear=operator_clear,
@@ -247,10 +269,14 @@ class Agent:
             # event + dcgm), so the counter counts what it counted, once.
             for event in assessment.counted_xids:
                 self.xids.add(event)
+            self.adapters.add(assessment.adapter_events)
             if enriched:
                 log.info("xids=%s verdict=%s", xid_summary(enriched), verdict.action.value)
+            if adapter_events:
+                log.info("mlx5_events=%s verdict=%s", ",".join(sorted({e.event for e in adapter_events})),
+                         verdict.action.value)
             findings = _findings_signature(verdict)
-            if enriched or cleared or findings != self._saved_findings:
+            if new_events or cleared or findings != self._saved_findings:
                 self._persist(now, findings)  # before effects act: the SIGKILL contract
             self._set_verdict(verdict)
         if self._saved_at is None or not 0 <= now - self._saved_at < self.settings.state_save_interval_seconds:
@@ -326,6 +352,7 @@ class Agent:
             return
         self.telemetry.publish(AgentSnapshot(
             timestamp=self.wall(), gpus=gpus, efa=efa, rdma=rdma, xid_counts=self.xids.snapshot(), stage=self.stage,
+            adapter_counts=self.adapters.snapshot(),
             health=tuple(self._health.values()), verdict=self.verdict, kube=kube,
             ready=self.ready, expected_gpus=self.expected_gpus,
             expected_efa_devices=self.expected_efa_devices,

@@ -35,6 +35,7 @@ def collect_once(settings: Settings) -> Collection:
     return Collection(
         timestamp=now, gpus=gpus, xids=xids, efa=tuple(s for r in results for s in r.efa),
         rdma=tuple(p for r in results for p in r.rdma),
+        adapter_events=tuple(e for r in results for e in r.adapter_events),
         health=tuple(r.health for r in results), expected_gpus=expected[0], expected_efa_devices=expected[1],
         boot_time=boot_time,
     )

@@ -98,6 +98,7 @@ EKS_REASONS: dict[str, tuple[str, str]] = {
     "RDMA_RCV_ERRORS": ("RDMAErrorMetric", COINED),
     "RDMA_XMIT_DISCARDS": ("RDMAErrorMetric", COINED),
     "RDMA_DEVICE_MISSING": ("RDMADeviceMissing", COINED),
+    "RDMA_ADAPTER_EVENT": ("RDMAAdapterError", COINED),
 }
 XID_REASON = re.compile(r"NvidiaXID\d{0,5}Error")
 CODE_REASON = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")  # a finding code: GPU_XID, EFA_RX_DROPS

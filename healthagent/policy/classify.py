@@ -14,8 +14,9 @@ The order of one observation:
    ``Verdict.observation``): whatever was observed after it is a new fault and stays;
 1. a new boot id (a reboot) closes every finding below replace_node;
 2. a new UUID at a known PCI id (the GPU was physically replaced) closes that GPU's findings;
-3. XIDs join incidents (those of an earlier boot are only counted); GPU, EFA and RDMA port samples
-   run their rules; the inventory is counted;
+3. XIDs join incidents (those of an earlier boot are only counted), ConnectX adapter events their
+   adapter's finding (``adapters.py``); GPU, EFA and RDMA port samples run their rules; the
+   inventory is counted;
 4. the open findings, expired where their window passed, are the verdict, with the subsystems the
    collection could not see (``Verdict.unobserved``).
 """
@@ -26,13 +27,15 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
-from healthagent.model import INIT_FAILED, Collection, GpuSample, Verdict, XidEvent
+from healthagent.model import INIT_FAILED, AdapterEvent, Collection, GpuSample, Verdict, XidEvent
+from healthagent.policy.adapters import AdapterJudge
 from healthagent.policy.book import FindingBook, Signal, as_text
 from healthagent.policy.catalog import Catalog
 from healthagent.policy.counters import finite
 from healthagent.policy.explain import explain
 from healthagent.policy.incidents import XidIncidents
 from healthagent.policy.inventory import MAX_KNOWN, inventory, unobserved
+from healthagent.policy.mlx5_catalog import load_mlx5_catalog
 from healthagent.policy.rules_efa import EfaRules, EfaTrack, efa_key
 from healthagent.policy.rules_gpu import GpuRules, GpuTrack, gpu_key
 from healthagent.policy.rules_rdma import RdmaJudge
@@ -58,6 +61,9 @@ class Assessment:
     # XIDs logged during an earlier boot (a kernel-log file's history): counted, never judged.
     earlier_boot_xids: tuple[XidEvent, ...] = ()
     cleared: int = 0  # findings an operator's clear closed in this observation
+    # This boot's ConnectX adapter events, judged, with their RDMA device where it is known: what
+    # healthagent_mlx5_events_total adds (an earlier boot's are history, never counted).
+    adapter_events: tuple[AdapterEvent, ...] = ()
 
 
 class Classifier:
@@ -67,6 +73,7 @@ class Classifier:
     def __init__(self, policy: Policy, catalog: Catalog) -> None:
         self.policy = policy
         self.catalog = catalog
+        self.mlx5_catalog = load_mlx5_catalog(policy.mlx5_actions)
         self.gpu_rules = GpuRules(policy)
         self.efa_rules = EfaRules(policy)
         self.restore_errors = 0
@@ -81,6 +88,7 @@ class Classifier:
         self.gpus: dict[str, GpuTrack] = {}
         self.efa: dict[str, EfaTrack] = {}
         self.rdma = RdmaJudge(self.policy)
+        self.adapters = AdapterJudge(self.policy, self.mlx5_catalog)
         self.known_gpus: dict[str, str] = {}  # PCI id -> "GPU 3 (0000:a8:00.0)", seen since the last clear
         self.known_efa: dict[str, str] = {}
         self.boot_id = ""
@@ -124,6 +132,13 @@ class Classifier:
             except Exception:
                 self._internal("xid")
         self._guard("xids", self.incidents.describe, self.book)
+        adapters: list[AdapterEvent] = []
+        for event, t in self._guard("mlx5", self.adapters.arrange, collection, now) or []:
+            try:
+                self.adapters.take(event, t, collection.boot_id, self.book)
+                adapters.append(event)
+            except Exception:
+                self._internal("mlx5")
         for gpu in collection.gpus:
             self._guard("gpu", self._apply, self.gpu_rules.evaluate(gpu, self._gpu_track(gpu), now), now)
         if failed_init:  # judged against the GPUs the GPU sources list (rules_gpu.init_failures)
@@ -136,7 +151,7 @@ class Classifier:
         blind = self._guard("unobserved", unobserved, collection) or ()
         verdict = Verdict.of(self.book.findings(now), now, unobserved=blind, observation=self.observation,
                              clear_token=self.clear_token or "")
-        return Assessment(verdict, tuple(counted), earlier, cleared)
+        return Assessment(verdict, tuple(counted), earlier, cleared, tuple(adapters))
 
     def _apply(self, signals: Iterable[Signal], now: float) -> None:
         for signal in signals:
@@ -221,6 +236,7 @@ class Classifier:
         self.known_gpus.clear()
         self.known_efa.clear()
         self.rdma.forget_devices()
+        self.adapters.forget()
         log.info("findings cleared by operator count=%d reason=%s", closed, " ".join(str(reason).split()) or "-")
         return closed
 
@@ -239,6 +255,7 @@ class Classifier:
             "gpus": {k: t.to_dict() for k, t in self.gpus.items()},
             "efa": {k: t.to_dict() for k, t in self.efa.items()},
             "rdma": self.rdma.to_dict(),
+            "adapters": self.adapters.to_dict(),
             "known_gpus": dict(self.known_gpus),
             "known_efa": dict(self.known_efa),
         }
@@ -288,6 +305,7 @@ class Classifier:
         self.gpus = part("gpus", lambda v: _tracks(v, GpuTrack.from_dict, problems), {})
         self.efa = part("efa", lambda v: _tracks(v, EfaTrack.from_dict, problems), {})
         part("rdma", lambda v: self.rdma.load(v, problems), None)
+        part("adapters", lambda v: self.adapters.load(v, problems), None)
         self.known_gpus = part("known_gpus", _words, {})
         self.known_efa = part("known_efa", _words, {})
         if problems:

@@ -128,6 +128,7 @@ BUILT_IN: Mapping[str, Row] = MappingProxyType({
     "RDMA_RCV_ERRORS": Row(RDMA),
     "RDMA_XMIT_DISCARDS": Row(RDMA),
     "RDMA_DEVICE_MISSING": Row(INVENTORY, condition=True),
+    "RDMA_ADAPTER_EVENT": Row(EVENTS),
 })
 UNLISTED = Row(EVENTS)
 

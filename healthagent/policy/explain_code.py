@@ -16,7 +16,11 @@ from healthagent.policy.settings import Policy
 
 # The quiet period after which an event finding below reboot_node closes (the rest: counter_quiet_seconds).
 _QUIET = {"GPU_XID": "xid_window_seconds", "NVSWITCH_SXID": "xid_window_seconds",
-          "GPU_INIT_FAILED": "xid_window_seconds", "GPU_ECC_DBE": "counter_window_seconds"}
+          "GPU_INIT_FAILED": "xid_window_seconds", "GPU_ECC_DBE": "counter_window_seconds",
+          "RDMA_ADAPTER_EVENT": "mlx5_window_seconds"}
+# Codes whose action a catalog decides per event, and where that catalog is.
+_CATALOG_ACTION = {"RDMA_ADAPTER_EVENT": "the mlx5 catalog's, per event (healthagent/policy/mlx5_events.csv; "
+                                         "a policy file's `mlx5:` overrides a row)"}
 
 
 def field_words(rule: Rule, name: str) -> str:
@@ -52,7 +56,8 @@ def closes_words(code: str, policy: Policy) -> str:
         return (f"after {policy.condition_clear_evaluations:g} readings in a row without it "
                 "(condition_clear_evaluations)")
     quiet = _QUIET.get(code, "counter_quiet_seconds")
-    below = (" when below reboot_node; a reboot_node or replace_node incident as for that action"
+    what = "finding" if code in _CATALOG_ACTION else "incident"
+    below = (f" when below reboot_node; a reboot_node or replace_node {what} as for that action"
              if action is None else "")
     return f"{duration_words(policy.thresholds[quiet])} after its last occurrence ({quiet}){below}"
 
@@ -62,8 +67,8 @@ def explain_code(code: str, policy: Policy) -> str:
     reads = row(code).reads
     kind = "a condition" if row(code).condition else "an event"
     lines = [f"{code}: {info.title}",
-             "Action: " + (info.action.value if info.action is not None else
-                           "the XID catalog's, per XID (`healthagent explain XID`)"),
+             "Action: " + (info.action.value if info.action is not None else _CATALOG_ACTION.get(
+                 code, "the XID catalog's, per XID (`healthagent explain XID`)")),
              "Signal: " + ("an event, logged at one moment" if reads == EVENTS else
                            f"{kind}, judged at {READING_WORDS[reads]}")]
     lines += rule_lines(code, policy)

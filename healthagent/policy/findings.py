@@ -18,7 +18,8 @@ DOCS = "docs/findings.md"
 
 @dataclass(frozen=True)
 class FindingInfo:
-    """One finding code: its default action (None = decided per event by the XID catalog)."""
+    """One finding code: its default action (None = decided per event by a catalog: the XID
+    catalog, or for RDMA_ADAPTER_EVENT the mlx5 one)."""
 
     code: str
     title: str
@@ -127,6 +128,10 @@ _INFOS = (
     FindingInfo("RDMA_XMIT_DISCARDS", "InfiniBand transmit discards", Action.MONITOR,
                 "Outbound packets are discarded on {device} (port down or congestion): look at "
                 "port_xmit_wait and the fabric's congestion before draining this node."),
+    FindingInfo("RDMA_ADAPTER_EVENT", "ConnectX (mlx5) adapter event in the kernel log", None,
+                "Do what the event's row of the mlx5 catalog says (docs/findings.md#rdma_adapter_event); "
+                "a fatal or hung adapter takes the node out: drain and reboot, and replace the adapter "
+                "if it fails again after the reboot."),
     FindingInfo("RDMA_DEVICE_MISSING", "RDMA device missing", Action.REBOOT_NODE,
                 "An InfiniBand/RoCE device seen earlier is gone: check `ibstat`, `lspci | grep -i "
                 "mellanox` and `dmesg | grep mlx5`; drain and reboot. If it is still missing after the "
