@@ -54,6 +54,7 @@ from healthagent.model import (
 )
 from healthagent.telemetry import spec as names
 from healthagent.telemetry.pipeline_metrics import pipeline_families
+from healthagent.telemetry.mlx5_metrics import mlx5_families
 from healthagent.telemetry.rdma_metrics import rdma_families, rdma_family_inputs
 from healthagent.telemetry.encode_cache import (
     OPENMETRICS_EOF,
@@ -206,6 +207,8 @@ SNAPSHOT_PARTS: tuple[SnapshotPart, ...] = (
     # InfiniBand/RoCE ports (telemetry/rdma_metrics.py), keyed per family like EFA.
     SnapshotPart("rdma", lambda s: s.rdma, lambda s: rdma_families(s.rdma),
                  inputs=lambda s: rdma_family_inputs(s.rdma)),
+    # ConnectX (mlx5) kernel-log events (telemetry/mlx5_metrics.py): only on a node with RDMA ports.
+    SnapshotPart("mlx5", lambda s: (s.adapter_counts, bool(s.rdma)), lambda s: mlx5_families(s)),
     # Everything else is small and its timestamp changes every cycle: reused per snapshot only.
     SnapshotPart("other", lambda s: s, lambda s: _other_families(s), compare_equal=False),
 )

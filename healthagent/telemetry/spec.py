@@ -71,6 +71,9 @@ HEALTH: tuple[MetricSpec, ...] = (
           "XID errors seen by this agent, by GPU and XID (gpu and uuid empty when unknown)."),
     _spec("sxid_errors_total", "counter", "pci_bus_id sxid",
           "NVSwitch SXid errors seen by this agent, by switch PCI id and SXid."),
+    _spec("mlx5_events_total", "counter", "device pci_bus_id event",
+          "ConnectX (mlx5) adapter events in the kernel log seen by this agent in this boot, by RDMA device "
+          "(\"\" when unknown), PCI id and event (a row of the mlx5 catalog)."),
     _spec("nvlink_errors_total", "counter", GPU + " type",
           "NVLink errors summed over the GPU's links, by counter type."),
     _spec("gpu_pcie_replay_total", "counter", GPU,
