@@ -97,15 +97,21 @@ def condition_of(code: str, vocab: Vocabulary = DEFAULT) -> str:
     return vocab.type_of(area_of(code))
 
 
+KERNEL_LOG_ONLY_CODES = frozenset({"RDMA_ADAPTER_EVENT"})
+
+
 def observed_by(code: str) -> tuple[str, ...]:
     """The ``Verdict.unobserved`` subsystems that must see the node again before a finding of
-    ``code`` can be believed gone: EFA findings need the EFA source, NVSwitch SXids the kernel
-    log, every other (GPU) finding the GPU sources (NVML reports XIDs too). An unknown code (a
-    taint adopted from the node without a record) needs them all."""
+    ``code`` can be believed gone: EFA findings need the EFA source, InfiniBand/RoCE port findings
+    the RDMA source, NVSwitch SXids and ConnectX adapter events the kernel log (the only place
+    either is written), every other (GPU) finding the GPU sources (NVML reports XIDs too). An
+    unknown code (a taint adopted from the node without a record) needs them all."""
     if not code:
-        return ("gpu", "efa", "kernel_log")
+        return ("gpu", "efa", "rdma", "kernel_log")
     if code.startswith("EFA_"):
         return ("efa",)
+    if code in KERNEL_LOG_ONLY_CODES:
+        return ("kernel_log",)
     if code.startswith("RDMA_"):
         return ("rdma",)
     if code.startswith("NVSWITCH_"):

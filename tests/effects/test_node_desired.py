@@ -197,7 +197,8 @@ def test_health_label_is_unknown_only_when_nothing_worse_applies(action, unobser
 
 @pytest.mark.parametrize("code,needs", [
     ("GPU_XID", ("gpu",)), ("GPU_ROW_REMAP_PENDING", ("gpu",)), ("EFA_DEVICE_MISSING", ("efa",)),
-    ("NVSWITCH_SXID", ("kernel_log",)), ("", ("gpu", "efa", "kernel_log")),
+    ("NVSWITCH_SXID", ("kernel_log",)), ("RDMA_PORT_DOWN", ("rdma",)), ("RDMA_ADAPTER_EVENT", ("kernel_log",)),
+    ("", ("gpu", "efa", "rdma", "kernel_log")),
 ])
 def test_observed_by(code, needs):
     assert observed_by(code) == needs
