@@ -5,13 +5,16 @@ What an InfiniBand operator acts on, and why each default:
   go to error and NCCL aborts the job's collectives, so an elastic job must re-form without the
   node. "Was up" is remembered per port (saved with the classifier's state, so a restart or a
   reboot does not forget it); a port never seen up (the unused second port of a dual-port card,
-  a cable never plugged) is not judged. The rule waits 30 s (a link that recovers faster shows as
-  a ``link_downed`` step) and 5 min after a boot (the subnet manager brings ports to ACTIVE);
+  a cable never plugged) is not judged, unless the policy file's ``rdma_ports:`` says it must be
+  up (and a port it names that is not there at all is down too). The rule waits 30 s (a link that
+  recovers faster shows as a ``link_downed`` step) and 5 min after a boot (the subnet manager
+  brings ports to ACTIVE);
 - **a rate below the port's own** (``RDMA_PORT_DEGRADED``, ``monitor``): a 400 Gb/s port that
   trained at 200 runs, and drags every ring it is in to its speed. Expected is the highest rate
   the port ran at before, or that an up port of the same card model (``board_id``) and link layer
-  on this node runs at now, whichever is higher: a port that came up slow after a reboot is
-  caught by its siblings;
+  on this node runs at now, or the rate ``rdma_ports:`` gives it, whichever is highest: a port
+  that came up slow after a reboot is caught by its siblings, a node whose ports all did by the
+  policy file;
 - **flaps** (``RDMA_LINK_FLAPPING``, ``reboot_node``): each ``link_downed`` step is one
   occurrence for the code's rule (built in: 5 within a minute), so the count and the window are
   policy data (``findings:``);
@@ -36,6 +39,7 @@ from healthagent.policy.book import CONDITION, EVENT, Signal, Where
 from healthagent.policy.counters import SeriesTrack, finite, rate_over
 from healthagent.policy.findings import FINDINGS, clock, duration_words, steps_for
 from healthagent.policy.inventory import missing, source_answered, unseen
+from healthagent.policy.rdma_ports_file import PortExpectation
 from healthagent.policy.settings import Policy
 
 FLAPS = "link_downed"
@@ -136,27 +140,33 @@ class RdmaJudge:
 
     def _port(self, port: RdmaPort, track: RdmaTrack, t: float,
               peers: dict[tuple[str, str], float]) -> Iterator[Signal]:
+        expected = self.policy.port_expectation(port.name, port.netdev)
         if port.up:
             yield _good("RDMA_PORT_DOWN", port, CONDITION)
-            yield from self._rate(port, track, peers)
+            yield from self._rate(port, track, peers, expected)
             track.last_up = t
-        elif track.last_up is not None:
+        elif track.last_up is not None or (expected is not None and expected.up):
+            why = (f"it was up at {clock(track.last_up)} UTC" if track.last_up is not None
+                   else f"never seen up; the policy file expects it up (rdma_ports: {expected.pattern})")
             yield _signal("RDMA_PORT_DOWN", port,
                           f"state {port.state_id}: {port.state}, phys_state {port.phys_state_id}: {port.phys_state}; "
-                          f"it was up at {clock(track.last_up)} UTC", CONDITION,
-                          signature=f"{port.state_id}/{port.phys_state_id}")
+                          f"{why}", CONDITION, signature=f"{port.state_id}/{port.phys_state_id}")
         yield from self._flaps(port, track, t)
         yield from self._rates(port, track, t)
 
-    def _rate(self, port: RdmaPort, track: RdmaTrack, peers: dict[tuple[str, str], float]) -> Iterator[Signal]:
+    def _rate(self, port: RdmaPort, track: RdmaTrack, peers: dict[tuple[str, str], float],
+              expectation: PortExpectation | None) -> Iterator[Signal]:
         rate = port.rate_gbps
         if rate is None:
             return
         own = track.best_rate or 0.0
         sibling = peers.get((port.board_id, port.link_layer), 0.0)
-        expected = max(own, sibling)
+        policy = (expectation.rate_gbps if expectation is not None else None) or 0.0
+        expected = max(own, sibling, policy)
         if rate < expected:
-            why = "it ran at" if own >= sibling else "its sibling ports of the same card model run at"
+            why = ("it ran at" if own >= max(sibling, policy) else
+                   "its sibling ports of the same card model run at" if sibling >= policy else
+                   f"the policy file expects (rdma_ports: {expectation.pattern})")
             yield _signal("RDMA_PORT_DEGRADED", port, f"rate {port.rate_text or f'{rate:g} Gb/sec'}; {why} "
                           f"{expected:g} Gb/sec", CONDITION, signature=f"{rate:g}/{expected:g}")
         else:
@@ -202,11 +212,33 @@ class RdmaJudge:
         if t == self.inventory_time or not source_answered(collection, ("rdma",), bool(collection.rdma), listed=True):
             return
         self.inventory_time = t
+        yield from self._absent(collection)
         present = {p.device: p.device for p in collection.rdma}
         if not present and not self.known:
             return
         blind = tuple(sorted({name.split("/")[0] for name in unseen(collection, ("rdma",))}))
         yield missing("RDMA_DEVICE_MISSING", "RDMA devices", present, len(present), self.known, None, blind)
+
+    def _absent(self, collection: Collection) -> Iterator[Signal]:
+        """RDMA_PORT_DOWN for each port ``rdma_ports:`` names as ``device/port`` (no wildcard,
+        ``up: true``) that the source's listing does not hold. Called only when the source listed
+        its devices; a port of a device it could not read is unobserved, not absent. (A network
+        interface's name cannot be told absent: nothing lists the interfaces a node should have.)"""
+        named = [e for e in self.policy.rdma_ports if e.up and e.names_one_port and "/" in e.pattern]
+        if not named:
+            return
+        present = {p.name for p in collection.rdma}
+        blind_devices = {name.split("/")[0] for name in unseen(collection, ("rdma",))}
+        for expectation in named:
+            name = expectation.pattern
+            if name in present or name.split("/")[0] in blind_devices:
+                continue  # judged by its own reading, or there perhaps but unreadable: unobserved
+            info = FINDINGS["RDMA_PORT_DOWN"]
+            yield Signal(code="RDMA_PORT_DOWN", where=Where(efa_device=name), bad=True, kind=CONDITION,
+                         action=info.action, summary=f"{name}: {info.title}",
+                         evidence=f"no such port among the {len(collection.rdma)} InfiniBand/RoCE ports read; "
+                                  f"the policy file expects it up (rdma_ports: {name})",
+                         next_steps=steps_for("RDMA_PORT_DOWN", device=name), signature="absent")
 
     # -- state ------------------------------------------------------------------------------------
 

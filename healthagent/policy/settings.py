@@ -11,6 +11,8 @@ A policy file looks like this (every key optional; see ``docs/findings.md#policy
     mlx5:                # ConnectX (mlx5) kernel-log event -> action; overrides mlx5_events.csv
       module_bad_cable: reboot_node
     disabled_rules: [GPU_POWER_THROTTLE]
+    rdma_ports:          # InfiniBand/RoCE ports that must be up, and their rate (rdma_ports_file.py)
+      "mlx5_[0-7]/1": {up: true, rate_gbps: 400}
     findings:            # when a finding may open (debounce.py; parsed in debounce_file.py)
       GPU_NVLINK_ERRORS: {count: 3, window: 10m, after_boot_grace: 15m}
     thresholds:
@@ -39,6 +41,7 @@ from healthagent.policy.debounce import ALIASES, Rule, alias_default
 from healthagent.policy.debounce_file import Rules, built_in_rules, parse_rules
 from healthagent.policy.findings import DOCS, FINDING_CODES
 from healthagent.policy.mlx5_catalog import event_ids
+from healthagent.policy.rdma_ports_file import PortExpectation, expectation_for, parse_rdma_ports
 
 
 class PolicyError(Exception):
@@ -91,7 +94,7 @@ THRESHOLDS: dict[str, Threshold] = {
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _NUMBER = re.compile(r"[0-9]{1,64}")  # ASCII digits only: str.isdigit() also takes "٩٤" and "²"
-TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings", "mlx5")
+TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings", "mlx5", "rdma_ports")
 # The driver's XID and SXid fields: the kernel-log parser reads at most nine digits (a longer
 # number is a malformed line), so a rule for a larger one could never match anything.
 MAX_XID = 999_999_999
@@ -112,6 +115,7 @@ class Policy:
     mlx5_actions: Mapping[str, Action] = field(default_factory=lambda: MappingProxyType({}))
     disabled_rules: frozenset[str] = frozenset()
     rules: Rules = field(default_factory=built_in_rules)  # when each finding may open
+    rdma_ports: tuple[PortExpectation, ...] = ()  # what the operator says the fabric ports must be
     source: str = ""  # the file it came from; "" = built-in defaults
 
     def __getattr__(self, name: str) -> float:
@@ -123,6 +127,10 @@ class Policy:
 
     def enabled(self, code: str) -> bool:
         return code not in self.disabled_rules
+
+    def port_expectation(self, name: str, netdev: str = "") -> PortExpectation | None:
+        """The ``rdma_ports:`` entry that decides for this InfiniBand/RoCE port, if any."""
+        return expectation_for(self.rdma_ports, name, netdev)
 
     def rule(self, code: str) -> Rule:
         """The effective rule of a finding code: the built-in table with the file's entries."""
@@ -268,6 +276,7 @@ def parse_policy(data: Any, source: str = "", readings: Mapping[str, float] | No
         mlx5_actions=_mlx5_actions(data.get("mlx5")),
         disabled_rules=_disabled(data.get("disabled_rules")),
         rules=parse_rules(data.get("findings"), aliases, readings),
+        rdma_ports=parse_rdma_ports(data.get("rdma_ports"), PolicyError),
         source=source,
     )
 

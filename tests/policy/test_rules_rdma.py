@@ -7,10 +7,12 @@ from __future__ import annotations
 import errno
 import os
 
+import pytest
+
 from healthagent.model import Action, Collection
 from healthagent.policy.catalog import load_catalog
 from healthagent.policy.classify import Classifier
-from healthagent.policy.settings import Policy
+from healthagent.policy.settings import Policy, PolicyError, parse_policy
 from healthagent.sources.rdma import RdmaSource
 from tests.support.rdma_tree import ACTIVE, DISABLED, DOWN, HDR, LINK_UP, POLLING, build_rdma_tree
 
@@ -21,10 +23,11 @@ STEP = 10.0  # the default reading interval
 class Node:
     """The tree, its source and a classifier, read every ``STEP`` seconds."""
 
-    def __init__(self, root, boot_time: float | None = None, fault=None) -> None:
+    def __init__(self, root, boot_time: float | None = None, fault=None, policy: Policy | None = None) -> None:
         self.tree = build_rdma_tree(root)
         self.source = RdmaSource(str(root), fault=fault)
-        self.classifier = Classifier(Policy(), load_catalog(Policy()))
+        policy = policy or Policy()
+        self.classifier = Classifier(policy, load_catalog(policy))
         self.t = T0
         self.boot_time = boot_time
 
@@ -76,6 +79,69 @@ def test_a_port_never_seen_up_is_not_judged(tmp_path):
     node = Node(tmp_path)
     node.tree.set_state("mlx5_8", DOWN, POLLING)  # a storage port without a cable from the start
     assert node.read(6).findings == ()
+
+
+# The operator's word on what the node is built as: the compute rails up at 400 Gb/s, the
+# storage ports up, and one port named that this tree does not have.
+EXPECTED = parse_policy({"rdma_ports": {
+    "mlx5_[0-7]/1": {"up": True, "rate_gbps": 400},
+    "ibp*": {"rate_gbps": 800},  # never reached for mlx5_0..7: the first matching pattern decides
+    "mlx5_8/1": {"up": True},
+    "mlx5_10/1": {"up": True},
+}})
+
+
+def test_a_port_the_policy_expects_up_is_down_though_never_seen_up(tmp_path):
+    node = Node(tmp_path, policy=EXPECTED)
+    node.tree.set_state("mlx5_8", DOWN, POLLING)
+    found = codes(node.read(4))
+    down = found[("RDMA_PORT_DOWN", "mlx5_8/1")]
+    assert down.action is Action.REBOOT_NODE
+    assert "never seen up; the policy file expects it up (rdma_ports: mlx5_8/1)" in down.evidence
+    # The port it names that the node does not have is down too; nothing else is.
+    absent = found[("RDMA_PORT_DOWN", "mlx5_10/1")]
+    assert "no such port among the 10 InfiniBand/RoCE ports read" in absent.evidence
+    assert set(found) == {("RDMA_PORT_DOWN", "mlx5_8/1"), ("RDMA_PORT_DOWN", "mlx5_10/1")}
+    # A port no pattern names keeps the default: never seen up, not judged.
+    assert ("RDMA_PORT_DOWN", "mlx5_9/1") not in codes(Node(tmp_path / "other").read(4))
+
+
+def test_ports_that_all_came_up_slow_are_degraded_by_the_policy_rate(tmp_path):
+    node = Node(tmp_path, policy=EXPECTED)
+    for device in [f"mlx5_{i}" for i in range(8)]:
+        node.tree.set_rate(device, HDR)  # every sibling at 200: only the policy file says 400
+    found = codes(node.read())
+    assert {s for c, s in found if c == "RDMA_PORT_DEGRADED"} == {f"mlx5_{i}/1" for i in range(8)}
+    assert found[("RDMA_PORT_DEGRADED", "mlx5_0/1")].evidence == (
+        "rate 200 Gb/sec (4X HDR); the policy file expects (rdma_ports: mlx5_[0-7]/1) 400 Gb/sec; "
+        "GPUs behind its PCIe switch: 0000:0c:00.0")
+
+
+def test_an_expected_port_that_cannot_be_read_is_unobserved_not_down(tmp_path):
+    def fault(path: str) -> None:
+        if "/mlx5_4/" in path:
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    policy = parse_policy({"rdma_ports": {"mlx5_4/1": {"up": True}}})
+    verdict = Node(tmp_path, fault=fault, policy=policy).read(6)
+    assert verdict.findings == () and verdict.unobserved == ("rdma",)
+
+
+@pytest.mark.parametrize("section,message", [
+    ([1], "rdma_ports: must be a mapping of port pattern"),
+    ({"mlx5_0/1": True}, "rdma_ports.mlx5_0/1: must be a mapping with up and/or rate_gbps"),
+    ({"mlx5_0/1": {"upp": True}}, "rdma_ports.mlx5_0/1: unknown key 'upp'; valid keys: up, rate_gbps"),
+    ({"mlx5_0/1": {"up": "yes"}}, "rdma_ports.mlx5_0/1.up: 'yes' is not true or false"),
+    ({"mlx5_0/1": {"rate_gbps": "400G"}}, "rdma_ports.mlx5_0/1.rate_gbps: '400G' is not a number"),
+    ({"mlx5_0/1": {"rate_gbps": 0}}, "rdma_ports.mlx5_0/1.rate_gbps: 0 is out of range"),
+    ({"mlx5_0/1": {"rate_gbps": 1e9}}, "rate_gbps: 1e+09 is out of range"),
+    ({"": {"up": True}}, "rdma_ports: '' is not a port pattern"),
+    ({"a\nb": {"up": True}}, "is not a port pattern"),
+])
+def test_a_bad_rdma_ports_section_is_one_line_naming_the_key(section, message):
+    with pytest.raises(PolicyError) as caught:
+        parse_policy({"rdma_ports": section})
+    assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_no_port_down_within_the_grace_after_a_boot(tmp_path):
