@@ -87,16 +87,21 @@ def _demo_gpu(text: str) -> int:
 
 
 def _xid_or_code(text: str) -> int | str:
-    """``explain``'s subject: an XID number, or a finding code in any case."""
+    """``explain``'s subject: an XID number, a finding code (upper case) or a ConnectX adapter
+    event id of the mlx5 catalog (lower case), each accepted in any case."""
     from healthagent.policy.findings import FINDING_CODES
+    from healthagent.policy.mlx5_catalog import event_ids
 
     code = text.strip().upper()
     if code in FINDING_CODES:
         return code
+    if text.strip().lower() in event_ids():
+        return text.strip().lower()
     if text.strip().lstrip("-").isdigit():
         return _whole_number(text)
-    raise argparse.ArgumentTypeError(f"{text!r} is neither an XID number nor a finding code; use e.g. 94 or "
-                                     "GPU_NVLINK_ERRORS (the codes: docs/findings.md)")
+    raise argparse.ArgumentTypeError(f"{text!r} is not an XID number, a finding code or a ConnectX adapter event "
+                                     "id; use e.g. 94, GPU_NVLINK_ERRORS or module_bad_cable (docs/findings.md "
+                                     "lists the codes and, under RDMA_ADAPTER_EVENT, the event ids)")
 
 
 def _whole_number(text: str) -> int:
@@ -166,9 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print JSON for machines")
 
     classify = sub.add_parser(
-        "classify", help="classify XID lines of kernel-log text, one JSON object per event",
-        description="One JSON object per XID or SXid line on stdout; how many lines were read and how "
-                    "many were XIDs goes to stderr.")
+        "classify", help="classify XID, SXid and ConnectX (mlx5) lines of kernel-log text, one JSON object per event",
+        description="One JSON object per XID, SXid or ConnectX (mlx5_core) adapter event line on stdout; how "
+                    "many lines were read and how many were events goes to stderr.")
     classify.add_argument("file", nargs="?",
                           help="dmesg/journalctl/kmsg text, - for stdin (default: the kernel log under "
                                "--host-root when it is given, else stdin)")
@@ -177,10 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "dates the lines' kernel stamps, as check and run do")
     classify.add_argument("--policy-file", metavar="FILE", help="YAML policy overrides (default: none)")
 
-    explain = sub.add_parser("explain", help="what an XID or a finding code means and what the agent does about it")
-    explain.add_argument("subject", type=_xid_or_code, metavar="XID|CODE",
-                         help="an XID number (e.g. 94), or a finding code (e.g. GPU_NVLINK_ERRORS) for the rule "
-                              "that opens it: the built-in one merged with the policy file")
+    explain = sub.add_parser("explain", help="what an XID, a finding code or a ConnectX adapter event means "
+                                             "and what the agent does about it")
+    explain.add_argument("subject", type=_xid_or_code, metavar="XID|CODE|EVENT",
+                         help="an XID number (e.g. 94), a finding code (e.g. GPU_NVLINK_ERRORS) for the rule "
+                              "that opens it: the built-in one merged with the policy file, or a ConnectX "
+                              "(mlx5) adapter event id (e.g. module_bad_cable)")
     explain.add_argument("--policy-file", metavar="FILE", help="YAML policy overrides (default: none)")
     explain.add_argument("--config", help="YAML settings file (also HEALTHAGENT_CONFIG)")
     explain.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
@@ -264,13 +271,16 @@ def _catalog(policy_file: str | None, settings: Settings | None = None):
 
 
 def cmd_classify(args: argparse.Namespace) -> int:
-    """One JSON object per XID line on stdout; on stderr, how many lines were read and how many
-    were XIDs (so an empty stdout says "none found", not "nothing read")."""
+    """One JSON object per XID, SXid or mlx5 adapter event line on stdout; on stderr, how many
+    lines were read and how many were events (so an empty stdout says "none found", not "nothing
+    read")."""
     from healthagent.cli_inputs import InputUnreadable, classify_input, open_lines, summary
-    from healthagent.policy.classify import classify_event
-    from healthagent.sources.kernel_log.offline import iter_events
+    from healthagent.policy.mlx5_catalog import load_mlx5_catalog
+    from healthagent.policy.mlx5_words import classify_row
+    from healthagent.sources.kernel_log.offline import iter_classifiable
 
-    _, catalog = _catalog(args.policy_file)
+    policy, catalog = _catalog(args.policy_file)
+    mlx5 = load_mlx5_catalog(policy.mlx5_actions)
     source = classify_input(args.file, args.host_root)
     read = 0
 
@@ -280,16 +290,16 @@ def cmd_classify(args: argparse.Namespace) -> int:
             read += 1
             yield line
 
-    found = {"xid": 0, "sxid": 0}
+    found = {"xid": 0, "sxid": 0, "mlx5": 0}
     try:
-        for event in iter_events(counted(), time.time(), host_root=args.host_root or "/"):
-            row = classify_event(event, catalog)
-            found["sxid" if "sxid" in row else "xid"] += 1
+        for event in iter_classifiable(counted(), time.time(), host_root=args.host_root or "/"):
+            kind, row = classify_row(event, catalog, mlx5)
+            found[kind] += 1
             print(json.dumps(row, sort_keys=True))
     except InputUnreadable as exc:
         raise CannotRun(str(exc)) from None
     sys.stdout.flush()  # the rows before the summary, when both go to one terminal
-    print(summary(found["xid"], found["sxid"], read, source.where), file=sys.stderr)
+    print(summary(found["xid"], found["sxid"], read, source.where, adapter_events=found["mlx5"]), file=sys.stderr)
     return 0
 
 
@@ -297,12 +307,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
     """The XID, the agent's action and what the repair engines do with it, under the settings the
     agent has (HEALTHAGENT_* in its pod, the settings file, --set): the condition vocabulary and
     HyperPod's labels decide which engine acts. A finding code: the rule that opens it, each
-    field saying whether it is built in or which key of the policy file set it."""
+    field saying whether it is built in or which key of the policy file set it. A ConnectX event
+    id: its catalog row with the policy file's ``mlx5:`` override, as the agent applies it."""
     from healthagent.policy.classify import explain
     from healthagent.policy.explain_code import explain_code
+    from healthagent.policy.findings import FINDING_CODES
 
     settings = _settings(args)
     policy, catalog = _catalog(settings.policy_file, settings)
+    if isinstance(args.subject, str) and args.subject not in FINDING_CODES:
+        from healthagent.policy.mlx5_catalog import load_mlx5_catalog
+        from healthagent.policy.mlx5_words import explain_mlx5
+
+        print(explain_mlx5(args.subject, load_mlx5_catalog(policy.mlx5_actions), policy))
+        return 0
     if isinstance(args.subject, str):
         print(explain_code(args.subject, policy))
         return 0

@@ -150,11 +150,14 @@ def _unreadable(path: str, exc: OSError) -> str:
             "(dmesg, journalctl -k) or - for stdin")
 
 
-def summary(xids: int, sxids: int, lines: int, where: str) -> str:
+def summary(xids: int, sxids: int, lines: int, where: str, adapter_events: int = 0) -> str:
     """The line ``classify`` prints on stderr when it is done: how many of the lines it read were
-    XIDs, so "nothing on stdout" reads as "none found", not "nothing read"."""
+    XIDs (and SXids and ConnectX adapter events, when there were any), so "nothing on stdout"
+    reads as "none found", not "nothing read"."""
     def count(n: int, what: str) -> str:
         return f"{n} {what} line{'' if n == 1 else 's'}"
 
-    found = count(xids, "XID") + (f" and {count(sxids, 'SXid')}" if sxids else "")
+    parts = [count(xids, "XID")] + ([count(sxids, "SXid")] if sxids else []) + (
+        [count(adapter_events, "ConnectX (mlx5) event")] if adapter_events else [])
+    found = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     return f"{found} in {where} ({lines} line{'' if lines == 1 else 's'} read)"

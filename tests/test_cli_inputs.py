@@ -81,3 +81,10 @@ def test_classify_reads_the_file_else_the_host_roots_kernel_log_else_stdin(tmp_p
 ])
 def test_the_summary_counts_what_was_read_and_found(counts, words):
     assert summary(*counts, "kern.log") == words
+
+
+def test_the_summary_counts_connectx_events_only_when_there_are_some():
+    assert summary(0, 0, 9, "kern.log", adapter_events=1) == (
+        "0 XID lines and 1 ConnectX (mlx5) event line in kern.log (9 lines read)")
+    assert summary(2, 1, 40, "kern.log", adapter_events=3) == (
+        "2 XID lines, 1 SXid line and 3 ConnectX (mlx5) event lines in kern.log (40 lines read)")

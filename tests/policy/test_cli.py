@@ -106,6 +106,53 @@ def test_classify_names_a_host_root_without_a_kernel_log(tmp_path, capsys):
     assert f"cannot read '{tmp_path / 'dev' / 'kmsg'}'" in capsys.readouterr().err
 
 
+# -- classify and explain: ConnectX (mlx5) adapter events beside the XIDs ----------------------------
+
+IB_LOG = KERNEL_LOG + """\
+May 01 09:51:16 node kernel: mlx5_core 0000:4b:00.0: Port module event: module 0, Cable unplugged
+May 01 09:51:17 node kernel: mlx5_core 0000:41:00.0: poll_health:785:(pid 0): Fatal error 5 detected
+May 01 09:51:18 node kernel: mlx5_core 0000:41:00.0: firmware version: 28.39.1002
+"""
+
+
+def test_classify_prints_the_connectx_events_with_their_adapter_action_and_meaning(tmp_path, capsys):
+    log, policy = tmp_path / "kern.log", tmp_path / "policy.yaml"
+    log.write_text(IB_LOG, encoding="utf-8")
+    assert main(["classify", str(log)]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [sorted(r) for r in rows[:2]] == [["action", "line", "name", "pci_bus_id", "xid"]] * 2  # XIDs as before
+    unplugged, fatal = rows[3:]
+    assert unplugged == {"mlx5": "module_unplugged", "name": "module_unplugged", "pci_bus_id": "0000:4b:00.0",
+                         "action": "none", "detail": "module 0", "line": IB_LOG.splitlines()[4],
+                         "meaning": "A cable or module was pulled out (or lost contact): informational, its "
+                                    "port loses the link."}
+    assert (fatal["mlx5"], fatal["pci_bus_id"], fatal["action"]) == ("fatal_error", "0000:41:00.0", "reboot_node")
+    assert err == f"2 XID lines, 1 SXid line and 2 ConnectX (mlx5) event lines in {log} (7 lines read)\n"
+    policy.write_text("mlx5: {module_unplugged: monitor}\n", encoding="utf-8")
+    assert main(["classify", str(log), "--policy-file", str(policy)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[3])["action"] == "monitor"
+
+
+def test_explain_a_connectx_event_says_its_meaning_action_and_steps(tmp_path, capsys):
+    assert main(["explain", "module_bad_cable"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("ConnectX (mlx5) event module_bad_cable: The firmware found the cable or module bad or "
+                        "shorted: the port has no link, or a bad one.")
+    assert "Our action: monitor" in lines and "Decided by: mlx5 catalog: module_bad_cable -> monitor" in lines
+    assert "set `mlx5: {module_bad_cable: reboot_node}`" in lines[-3]
+    assert lines[-2] == "What to do: Replace the cable or module, then check the link (`mlxlink -d <pci> -m -c`)."
+    assert lines[-1] == "Runbook: docs/findings.md#rdma_adapter_event"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("mlx5: {fatal_error: monitor}\n", encoding="utf-8")
+    assert main(["explain", "Fatal_Error", "--policy-file", str(policy)]) == 0
+    out = capsys.readouterr().out
+    assert "Our action: monitor\n" in out and "operator override in the policy file (the catalog says reboot_node)" in out
+    assert "To change it" not in out and "Again after a reboot" not in out and f"Policy file: {policy}" in out
+    assert main(["explain", "fatal_error"]) == 0
+    assert "opens as replace_node: the reboot did not fix it" in capsys.readouterr().out
+
+
 # -- explain: this project's departures from NVIDIA's buckets, said plainly -------------------------
 
 @pytest.mark.parametrize("xid,bucket_action", [(63, "monitor"), (64, "reset_gpu"), (94, "restart_app"),

@@ -81,4 +81,4 @@ def test_an_unknown_code_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["explain", "GPU_NVLINK_DOWN"])
     assert exited.value.code == 3
-    assert "neither an XID number nor a finding code" in capsys.readouterr().err
+    assert "is not an XID number, a finding code or a ConnectX adapter event id" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import pytest
 from healthagent.common import ErrorTally
 from healthagent.model import AdapterEvent, XidEvent
 from healthagent.policy.mlx5_catalog import event_ids
-from healthagent.sources.kernel_log.offline import iter_adapter_events, iter_events
+from healthagent.sources.kernel_log.offline import iter_adapter_events, iter_classifiable, iter_events
 from healthagent.sources.kernel_log.parser import LogChunk, XidLineParser
 from healthagent.sources.kernel_log.repeats import REPEATS_KEPT, RepeatFolder
 from healthagent.sources.kernel_log.source import KmsgSource
@@ -220,7 +220,8 @@ def test_lines_of_an_earlier_boot_in_a_file_are_history(tmp_path):
         ("fatal_error", True), ("health_compromised", False)]
 
 
-def test_classify_prints_xids_only_and_the_adapter_reader_reads_the_rest():
-    text = [f"[ 5.000000] {xid_text(94)}", f"[ 6.000000] {DEV}poll_health:785:(pid 0): Fatal error 5 detected"]
+def test_the_xid_reader_reads_xids_only_the_adapter_reader_the_rest_and_classifys_both_in_order():
+    text = [f"[ 6.000000] {DEV}poll_health:785:(pid 0): Fatal error 5 detected", f"[ 7.000000] {xid_text(94)}"]
     assert [type(e) for e in iter_events(text, NOW, host_root="/nonexistent")] == [XidEvent]
     assert [e.event for e in iter_adapter_events(text, NOW, host_root="/nonexistent")] == ["fatal_error"]
+    assert [type(e) for e in iter_classifiable(text, NOW, host_root="/nonexistent")] == [AdapterEvent, XidEvent]
