@@ -10,8 +10,9 @@ ids so NVML and sysfs agree on which GPU sits behind which switch, a DGX's boot 
 agent's expected GPU count comes from its settings.
 
 ``IbDemoNode.pull_cable`` then takes a port down the way a pulled cable or a dead transceiver
-does: its files are rewritten in place (atomically), and the agent reads them as it reads a real
-node's.
+does: its files are rewritten in place (atomically), and the adapter's driver logs the cable's
+going (``Port module event: module 0, Cable unplugged``, the catalog's ``module_unplugged``); the
+agent reads both as it reads a real node's.
 """
 
 from __future__ import annotations
@@ -22,9 +23,19 @@ from pathlib import Path
 from healthagent.demo.boot_log import dgx_boot_log
 from healthagent.demo.node import DemoNode, write_demo_node
 from healthagent.demo.rdma_tree import DOWN, POLLING, Port, RdmaTree, build_rdma_tree
+from healthagent.policy.mlx5_catalog import bundled_rows
 
 PRODUCT_NAME = "DGXH100"  # what a DGX H100's firmware says in DMI
 IB_CLASS, ETHERNET_CLASS = "0x020700", "0x020000"  # the PCI class of a ConnectX function by its mode
+UNPLUGGED = "module_unplugged"  # the mlx5 catalog's row for a cable pulled out of a port's cage
+KERNEL_INFO = 6  # the priority mlx5_core logs a plugged or unplugged cable at (dev_info)
+
+
+def unplugged_line(pci: str, module: int = 0) -> str:
+    """The driver's line for a cable pulled from ``module`` of the adapter at ``pci``, in the
+    wording the mlx5 catalog holds (so the demo's line is one the agent recognises)."""
+    text = next(row["kernel_text"] for row in bundled_rows() if row["event"] == UNPLUGGED)
+    return f"mlx5_core {pci}: " + text.replace("%u", str(module))
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,17 @@ class IbDemoNode:
         pci = self.node.gpu_pci_bus_ids[gpu]
         return next(port for port in self.fabric.ports if port.gpu == pci)
 
-    def pull_cable(self, device: str, phys_state: str = POLLING) -> None:
-        """Take ``device``'s port down as a pulled cable does: ``state`` ``1: DOWN``, ``phys_state``
-        ``2: Polling`` (the port looks for a peer; ``3: Disabled`` is a port switched off), and the
-        port's ``link_downed`` counter counts the drop."""
+    def pull_cable(self, device: str, phys_state: str = POLLING) -> str:
+        """Take ``device``'s port down as a pulled cable does: the driver logs the cable unplugged
+        (the single-port card's module 0), ``state`` reads ``1: DOWN``, ``phys_state`` ``2: Polling``
+        (the port looks for a peer; ``3: Disabled`` is a port switched off), and the port's
+        ``link_downed`` counter counts the drop. Returns the kernel-log line."""
+        pci = next(port.pci for port in self.fabric.ports if port.device == device)
+        line = unplugged_line(pci)
+        self.node.log_kernel(KERNEL_INFO, line, {"SUBSYSTEM": "pci", "DEVICE": f"+pci:{pci}"})
         self.fabric.set_state(device, DOWN, phys_state)
         self.fabric.bump(device, "link_downed", 1)
+        return line
 
 
 def build_ib_demo_root(root: Path) -> IbDemoNode:

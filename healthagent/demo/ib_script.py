@@ -4,9 +4,11 @@ The same agent as ``healthagent demo`` (``script.py`` starts it the same way, Ku
 dry-run), on a DGX H100-shaped node (``ib_node.py``): 8 x H100, eight NDR InfiniBand ports, one
 behind each GPU's PCIe switch, and two RoCE ports for storage, no EFA. The scripted fault is an
 everyday one on InfiniBand nodes: a cable or a transceiver fails, and the port's sysfs files read
-``1: DOWN`` / ``2: Polling``. What the demo prints is read back from the running
-agent: the ports it read, its verdict, the node condition and taints the effects wrote (dry-run
-logs each write, and the demo reads the condition from that record) and its ``/metrics``.
+``1: DOWN`` / ``2: Polling``, and the adapter's driver logs the cable unplugged (an informational
+event, action none: counted in ``healthagent_mlx5_events_total`` and opening no finding; the port
+going down is what takes the node out). What the demo prints is read back from the running agent:
+the ports it read, its verdict, the node condition and taints the effects wrote (dry-run logs each
+write, and the demo reads the condition from that record) and its ``/metrics``.
 
 The port-down rule judges only a port it has seen up (an unused port is never "down"), so the
 demo waits until the agent has published a reading of every port up before pulling the cable. The
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from healthagent.demo.ib_node import IbDemoNode, build_ib_demo_root
+from healthagent.demo.ib_node import UNPLUGGED, IbDemoNode, build_ib_demo_root
 from healthagent.demo.rdma_tree import DOWN, POLLING
 from healthagent.demo.script import (Urls, demo_settings, first_cycle, keep_running, running_agent, say,
                                      say_findings, say_scrape, take_out, wait_for)
@@ -45,9 +47,11 @@ POLICY = f"""\
 findings:
   {CODE}: {{sustain: 0, after_boot_grace: 0}}
 """
-# What step 4 shows of the port that went down (every other port's lines look like its own did).
+# What step 4 shows of the port that went down and its adapter's kernel-log events (every other
+# port's lines look like its own did).
 PORT_FAMILIES = tuple(f"healthagent_infiniband_{name}" for name in (
-    "port_up", "state_id", "physical_state_id", "link_downed_total", "port_gpu_info"))
+    "port_up", "state_id", "physical_state_id", "link_downed_total", "port_gpu_info")) + (
+    "healthagent_mlx5_events_total",)
 EFFECTS_LOG = "healthagent.effects.backend"
 
 
@@ -131,7 +135,9 @@ def _script(args: argparse.Namespace, ib: IbDemoNode, runtime: AgentRuntime, con
         f"(a link back sooner is only a link_downed step, and after a boot the subnet manager brings the "
         f"ports up)")
     started = time.monotonic()
-    ib.pull_cable(port.device)
+    logged = ib.pull_cable(port.device)
+    say(f"   the driver logs: {logged}  (informational, action none: counted in "
+        f"healthagent_mlx5_events_total, no finding)")
     detected = wait_for(lambda: any(f.code == CODE and f.subject == name for f in agent.verdict.findings), 15)
     elapsed = time.monotonic() - started
     if not detected:
@@ -156,8 +162,10 @@ def _script(args: argparse.Namespace, ib: IbDemoNode, runtime: AgentRuntime, con
 
     say("\n4. What Prometheus scrapes from the agent now")
     device = f'device="{port.device}"'
+    wait_for(lambda: any(c.device == port.device and c.event == UNPLUGGED
+                         for c in _published(runtime).adapter_counts), 10)  # the kernel log's line counted
 
-    def keep(line: str) -> bool:  # the port's own lines, and the findings and action that are on
+    def keep(line: str) -> bool:  # the port's own lines, its adapter's events, the findings and action on
         if line.startswith(PORT_FAMILIES):
             return device in line
         return line.startswith(("healthagent_findings", "healthagent_node_action")) and not line.endswith(" 0.0")

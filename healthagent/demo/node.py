@@ -294,13 +294,22 @@ class DemoNode:
             stub_nvml.inject_xid(self.scenario, gpu, xid)
         return text
 
+    def log_kernel(self, priority: int, text: str, fields: Mapping[str, str] | None = None) -> None:
+        """Append one kernel-log record as the kernel writes it now: numbered after the last record,
+        stamped like ``inject_xid``'s (a driver's line the demo's fault makes, beside the XIDs)."""
+        seq = _last_seq(self.kernel_log.read_text(encoding="utf-8")) + 1
+        _append(self.kernel_log, kmsg_record(priority, seq, self._now_usec(), text, fields))
+
+    def _now_usec(self) -> int:
+        # Stamped on this machine's monotonic clock, as the kernel stamps /dev/kmsg: the agent reads
+        # a record's stamp on the clock it stamps NVML's events with (healthagent/clock.py).
+        return max(int(time.monotonic() * 1_000_000), int(self.uptime_at_build * 1_000_000))
+
     def _append_xid_records(self, gpu: int, xid: int) -> str:
         pci = _xid_pci(self.gpu_pci_bus_ids[gpu])
         existing = self.kernel_log.read_text(encoding="utf-8")
         seq = _last_seq(existing) + 1
-        # Stamped on this machine's monotonic clock, as the kernel stamps /dev/kmsg: the agent reads
-        # a record's stamp on the clock it stamps NVML's events with (healthagent/clock.py).
-        usec = max(int(time.monotonic() * 1_000_000), int(self.uptime_at_build * 1_000_000))
+        usec = self._now_usec()
         records = []
         if f"NVRM: GPU at PCI:{pci}:" not in existing:
             records.append(kmsg_record(4, seq, usec, f"NVRM: GPU at PCI:{pci}: {self.gpu_uuids[gpu]}"))

@@ -70,6 +70,11 @@ def test_an_infiniband_port_going_down_takes_the_node_out_of_the_job():
     assert "taint effect now: NoExecute" in out
     assert 'healthagent_infiniband_port_up{device="mlx5_3",port="1"} 0.0' in out
     assert 'healthagent_infiniband_state_id{device="mlx5_3",port="1"} 1.0' in out
+    # The driver's line for the pulled cable is counted, and is informational: no finding of its own.
+    assert "the driver logs: mlx5_core 0000:4b:00.0: Port module event: module 0, Cable unplugged" in out
+    assert ('healthagent_mlx5_events_total{device="mlx5_3",event="module_unplugged",'
+            'pci_bus_id="0000:4b:00.0"} 1.0') in out
+    assert "RDMA_ADAPTER_EVENT" not in out
     assert 'healthagent_findings{action="reboot_node",code="RDMA_PORT_DOWN"} 1.0' in out
     assert 'healthagent_node_action{action="reboot_node"} 1.0' in out
 

@@ -1,5 +1,5 @@
 """The InfiniBand demo node (``healthagent demo --fabric ib``): its shape, read back through the real
-RDMA, EFA and kernel-log sources, and its pulled cable as the RDMA source sees it."""
+RDMA, EFA and kernel-log sources, and its pulled cable as the RDMA source and the kernel log see it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from healthagent.demo.ib_node import PRODUCT_NAME, build_ib_demo_root
 from healthagent.demo.rdma_tree import DOWN, POLLING
 from healthagent.sources.efa import EfaSource
 from healthagent.sources.instance import read_instance_type
-from healthagent.sources.kernel_log.offline import iter_events
+from healthagent.sources.kernel_log.offline import iter_adapter_events, iter_events
 from healthagent.sources.rdma import RdmaSource
 
 
@@ -54,10 +54,15 @@ def test_a_pulled_cable_is_a_port_down_polling_with_one_more_link_downed(tmp_pat
     ib = build_ib_demo_root(tmp_path / "host")
     source = RdmaSource(str(ib.node.root))
     before = {p.device: p for p in source.collect(1.0).rdma}
-    ib.pull_cable("mlx5_3")
+    line = ib.pull_cable("mlx5_3")
     after = {p.device: p for p in source.collect(2.0).rdma}
     assert (after["mlx5_3"].state_id, after["mlx5_3"].phys_state_id) == (int(DOWN[0]), int(POLLING[0]))
     assert not after["mlx5_3"].up and all(p.up for d, p in after.items() if d != "mlx5_3")
     assert after["mlx5_3"].counters["link_downed"] == before["mlx5_3"].counters["link_downed"] + 1
     with pytest.raises(IndexError):
         ib.port_beside(8)
+    # The driver logs the cable's going at the adapter's PCI id, in words the agent recognises.
+    assert line == "mlx5_core 0000:4b:00.0: Port module event: module 0, Cable unplugged"
+    with ib.node.kernel_log.open(encoding="utf-8") as fh:
+        events = list(iter_adapter_events(fh, time.time(), host_root=str(ib.node.root)))
+    assert [(e.event, e.pci_bus_id, e.detail) for e in events] == [("module_unplugged", "0000:4b:00.0", "module 0")]
