@@ -1,8 +1,14 @@
-"""InfiniBand and RoCE fabric: each port's state, rate, traffic, link flaps, errors and congestion.
+"""InfiniBand and RoCE fabric: each port's state, rate, traffic, link flaps, errors and congestion,
+and the ConnectX (mlx5) adapter events the agent read in the kernel log.
 
 Counters carry node_exporter's infiniband names under the agent's prefix (docs/metrics.md), with
 the labels ``device`` and ``port``; every one is cumulative, so panels show rates or per-interval
 increases. Unlike EFA, a port's state is real here: "Port state" shows a link that is down.
+
+Adapter events are ``healthagent_mlx5_events_total{device,pci_bus_id,event}``, this boot's count.
+The fatal-class events are read from the mlx5 catalog at generation time (its rows whose action
+takes the node out), the same rows the ``HealthagentRdmaAdapterFatal`` alert names: after a
+catalog change the committed JSON is stale, and the tests say so, until it is regenerated.
 """
 
 from dashboards.common import (
@@ -14,19 +20,39 @@ from dashboards.common import (
     sel,
     stat,
     state_timeline,
+    table,
     target,
     timeseries,
     up_down_mappings,
 )
+from healthagent.model import Action
+from healthagent.policy.mlx5_catalog import bundled_rows
 
 PORT = "{{node}} {{device}}/{{port}}"
 RDMA_CODES = 'code=~"RDMA_.*"'
+ADAPTER = "{{node}} {{device}} {{pci_bus_id}} {{event}}"
+# The catalog's events whose action takes the node out (reboot_node), in the catalog's order.
+FATAL_EVENTS = tuple(row["event"] for row in bundled_rows() if Action.parse(row["action"]).needs_node_action)
+FATAL = 'event=~"' + "|".join(FATAL_EVENTS) + '"'
 
 
 def per_port(function: str, counter: str, legend: str = PORT) -> object:
     """``function`` (rate or increase) of one ``healthagent_infiniband_<counter>`` per node and port."""
     return target(f"sum by (node, device, port) ({function}({sel(f'healthagent_infiniband_{counter}')}{RATE}))",
                   legend)
+
+
+def adapter_events_per_interval() -> str:
+    """Events per interval by node, adapter and event, an adapter's first ones included.
+
+    A series of the counter starts with its adapter's first event of the boot (at 1, not 0), which
+    ``increase()`` never sees; most adapters log one event a boot. So while a series is younger
+    than the interval (absent ``offset`` one interval back) its count is the increase.
+    """
+    by = "sum by (node, device, pci_bus_id, event)"
+    counter = sel("healthagent_mlx5_events_total")
+    return (f"{by} ({counter} unless {counter} offset $__rate_interval)"
+            f" or {by} (increase({counter}{RATE}))")
 
 
 dashboard = build_dashboard(
@@ -70,6 +96,18 @@ dashboard = build_dashboard(
                        [per_port("rate", "port_transmit_wait_total", PORT + " xmit wait"),
                         per_port("rate", "np_cnp_packets_sent_total", PORT + " CNPs sent"),
                         per_port("rate", "rp_cnp_packets_handled_total", PORT + " CNPs handled")]),
+        ]),
+        (8, [
+            timeseries("ConnectX adapter events", "ConnectX (mlx5_core) kernel-log events per interval, by node, "
+                       "adapter (RDMA device and PCI id) and event (docs/findings.md#rdma_adapter_event); an "
+                       "adapter's first events of a boot included.",
+                       [target(adapter_events_per_interval(), ADAPTER)], bars=True),
+            table("Nodes with a fatal adapter event", "Adapters that logged, in this boot, an event that takes "
+                  "the node out (the reboot_node events of the mlx5 catalog, those HealthagentRdmaAdapterFatal "
+                  "fires on), and how many times. The node stays listed until it reboots.",
+                  [target(f"max by (node, device, pci_bus_id, event) "
+                          f"({sel('healthagent_mlx5_events_total', FATAL)}) > 0", instant=True, table=True)],
+                  sort_by="Value"),
         ]),
     ],
 )

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from dashboards import generate
 from dashboards.common import DATASOURCE, SCHEMA_VERSION
@@ -80,6 +81,8 @@ REQUIRED_PANELS = {
         "Throughput per port": "healthagent_infiniband_port_data_transmitted_bytes_total",
         "Link flaps and errors": "healthagent_infiniband_link_downed_total",
         "Congestion": "healthagent_infiniband_port_transmit_wait_total",
+        "ConnectX adapter events": "healthagent_mlx5_events_total",
+        "Nodes with a fatal adapter event": "healthagent_mlx5_events_total",
     },
     "remediation.json": {
         "Nodes per stage": "healthagent_remediation_stage",
@@ -204,6 +207,19 @@ def test_required_panel_exists_and_queries_its_metric(name, title, metric):
     panels = {p["title"]: p for p in iter_panels(DASHBOARDS[name])}
     assert title in panels
     assert any(metric in t["expr"] for t in panels[title]["targets"])
+
+
+def test_the_fatal_adapter_table_lists_the_events_the_alert_fires_on():
+    """Both come from the mlx5 catalog's rows that take the node out (the alert's list is held to
+    the catalog in tests/policy/test_mlx5_events.py, the table's is generated from it): the table
+    shows exactly the adapters HealthagentRdmaAdapterFatal fires for."""
+    rules = yaml.safe_load((REPO / "alerts" / "healthagent.rules.yaml").read_text(encoding="utf-8"))
+    [rule] = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "HealthagentRdmaAdapterFatal"]
+    panels = {p["title"]: p for p in iter_panels(DASHBOARDS["rdma-fabric.json"])}
+    [fatal] = panels["Nodes with a fatal adapter event"]["targets"]
+    events = [re.search(r'event=~"([^"]+)"', expr).group(1) for expr in (fatal["expr"], rule["expr"])]
+    assert events[0] == events[1] and "health_compromised" in events[0].split("|")
+    assert fatal["instant"] and fatal["format"] == "table"
 
 
 def test_goodput_is_productive_over_wall_time():
