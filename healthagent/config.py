@@ -36,7 +36,8 @@ _NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 l
 # mistaken one is dangerous (a source interval of 1e308 s never collects again, so its faults go
 # unseen; 10**20 expected GPUs make every node "missing" GPUs).
 MAXIMA: dict[str, float] = {
-    **dict.fromkeys(("nvml_interval_seconds", "efa_interval_seconds", "dcgm_interval_seconds"), 3600.0),
+    **dict.fromkeys(("nvml_interval_seconds", "efa_interval_seconds", "rdma_interval_seconds",
+                     "dcgm_interval_seconds"), 3600.0),
     **dict.fromkeys(("dcgm_timeout_seconds", "source_timeout_seconds"), 600.0),
     "kmsg_poll_seconds": 60.0, "state_save_interval_seconds": 86400.0,
     "foreign_condition_quiet_seconds": 86400.0,
@@ -69,6 +70,8 @@ class Settings:
     nvml: bool = _setting(True, "read GPUs through NVML")
     nvml_interval_seconds: float = _setting(10.0, "seconds between NVML collections")
     efa_interval_seconds: float = _setting(10.0, "seconds between EFA sysfs collections")
+    rdma_interval_seconds: float = _setting(10.0, "seconds between InfiniBand/RoCE (mlx5 and other non-EFA RDMA) "
+                                                  "port collections")
     kmsg_poll_seconds: float = _setting(0.1, "seconds between kernel-log reads when its input cannot wake the loop")
     kmsg_max_records_per_cycle: int = _setting(50_000, "kernel-log records handled per read before yielding")
     idle_seconds: float = _setting(
@@ -253,8 +256,8 @@ def _validate(s: Settings) -> None:
         # every job token is derived from the key: a short one is found by trying them all
         raise bad("training_token", f"is {len(s.training_token)} characters; a key needs at least "
                                     f"{MIN_TRAINING_KEY_CHARS} (128 random bits as hex)")
-    for key in ("nvml_interval_seconds", "efa_interval_seconds", "kmsg_poll_seconds", "idle_seconds",
-                "dcgm_interval_seconds", "dcgm_timeout_seconds", "source_timeout_seconds",
+    for key in ("nvml_interval_seconds", "efa_interval_seconds", "rdma_interval_seconds", "kmsg_poll_seconds",
+                "idle_seconds", "dcgm_interval_seconds", "dcgm_timeout_seconds", "source_timeout_seconds",
                 "state_save_interval_seconds", "foreign_condition_quiet_seconds"):
         if getattr(s, key) <= 0:
             raise ConfigError(f"{key}: must be greater than 0 seconds")

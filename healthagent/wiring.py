@@ -86,9 +86,8 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
         scheduled.append(Scheduled(DeadlineSource(nvml, deadline), settings.nvml_interval_seconds))
     scheduled.append(Scheduled(DeadlineSource(EfaSource(settings.host_root), deadline),
                                settings.efa_interval_seconds))
-    # InfiniBand/RoCE ports live in the same class directory: read on the same interval.
     scheduled.append(Scheduled(DeadlineSource(RdmaSource(settings.host_root), deadline),
-                               settings.efa_interval_seconds))
+                               settings.rdma_interval_seconds))
     if settings.dcgm_url:
         from healthagent.sources.dcgm import DcgmSource
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 CODE = "RDMA_PORT_DOWN"
 DEMO_NODE = "demo-dgx-node"
-READ_SECONDS = 0.5  # the ports' (and EFA's) reading interval in the demo; 10 s by default
+READ_SECONDS = 0.5  # the ports' reading interval in the demo; 10 s by default
 POLICY = f"""\
 # healthagent demo --fabric ib: {CODE} opens as soon as a port that was up reads down (by default
 # once it has been down for 30 s, and not within 5 min of a boot), so the demo's port-down shows at once.
@@ -89,7 +89,7 @@ def run_ib_demo(args: argparse.Namespace, workdir: Path) -> int:
     policy = workdir / "policy.yaml"
     policy.write_text(POLICY, encoding="utf-8")
     settings = demo_settings(ib.node, workdir, args.listen, node_name=DEMO_NODE, policy_file=str(policy),
-                             efa_interval_seconds=READ_SECONDS)
+                             rdma_interval_seconds=READ_SECONDS)
     conditions = ConditionWrites()
     logging.getLogger(EFFECTS_LOG).addHandler(conditions)
     try:
@@ -145,7 +145,7 @@ def _script(args: argparse.Namespace, ib: IbDemoNode, runtime: AgentRuntime, con
         return 3
     verdict = agent.verdict
     say(f"   detected {elapsed:.1f} s after the cable was pulled (ports are read every "
-        f"{runtime.settings.efa_interval_seconds:g} s); verdict = {verdict.action.value}")
+        f"{runtime.settings.rdma_interval_seconds:g} s); verdict = {verdict.action.value}")
     say_findings(verdict)
 
     say("\n3. What the agent would write to Kubernetes (dry-run; log lines above show each write)")

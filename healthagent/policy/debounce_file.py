@@ -73,8 +73,7 @@ def reading_intervals(settings: Any) -> dict[str, float]:
     is the GPU source when it is on (dcgm-exporter only fills in without it), the inventory is
     counted on every new set of GPU or EFA samples."""
     gpu = settings.nvml_interval_seconds if settings.nvml or not settings.dcgm_url else settings.dcgm_interval_seconds
-    # The RDMA source reads the same class directory as EFA, on the same interval.
-    return {GPU: float(gpu), EFA: float(settings.efa_interval_seconds), RDMA: float(settings.efa_interval_seconds),
+    return {GPU: float(gpu), EFA: float(settings.efa_interval_seconds), RDMA: float(settings.rdma_interval_seconds),
             INVENTORY: float(min(gpu, settings.efa_interval_seconds))}
 
 

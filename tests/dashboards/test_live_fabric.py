@@ -53,7 +53,7 @@ def fabric(tmp_path):
     settings = load_settings(env={}, flags={
         "host_root": str(tree.root), "kernel_log": str(kernel_log), "nvml": "false", "kube": "dry-run",
         "listen": "127.0.0.1:0", "state_file": str(tmp_path / "state.json"), "node_name": NODE,
-        "efa_interval_seconds": 1, "log_level": "WARNING", "training_intake": "off",
+        "rdma_interval_seconds": 1, "log_level": "WARNING", "training_intake": "off",
     })
     runtime = AgentRuntime(settings)
     runtime.start()
