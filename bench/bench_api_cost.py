@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.bench_api_cost [--nodes 2000] [--real-seconds 150]
 
 Two measurements of the same code, both counted on the fake API server's request log
-(``tests/support/kubefake.py``), through the real ``kubernetes`` client:
+(``tests/support/kubefake/``), through the real ``kubernetes`` client:
 
 1. simulated hour: ``NodeEffects`` (what the agent's effects worker drives) reconciled every 5 s of
    a simulated clock, the worker's retry cadence, with the verdict the real classifier gives every

@@ -6,7 +6,7 @@
 Each run starts the real agent (``AgentRuntime``, what ``healthagent run`` starts) at default
 settings (NVML's XID event thread, the effects worker as it is) on a fresh demo node (8 x H100
 through the stub NVML library, 32 EFA devices), talking through the real ``kubernetes`` client to
-the fake API server (``tests/support/kubefake.py``) seeded with 20 GPU nodes. Once the agent is
+the fake API server (``tests/support/kubefake/``) seeded with 20 GPU nodes. Once the agent is
 warm (first reconcile done, NVML event set built) it injects XID 95 on GPU 3:
 
   kmsg         the driver's record appended to the demo node's kernel log, a regular file

@@ -33,7 +33,7 @@ def needs_cc() -> None:
 
 @pytest.fixture
 def fake():
-    """The fake API server with 20 GPU nodes (see tests/support/kubefake.py for what it leaves out)."""
+    """The fake API server with 20 GPU nodes (see tests/support/kubefake/ for what it leaves out)."""
     with HoldingKubeFake() as server:
         server.seed_nodes(20)
         yield server

@@ -7,7 +7,7 @@ drive the agent the same way:
 - ``AgentProcess`` starts the real ``python -m healthagent run`` (the DaemonSet's command) with the
   flags given, finds its HTTP port in its log, and can scrape it, read its RSS/CPU from /proc,
   signal it (SIGTERM, SIGKILL) and wait for it;
-- ``HoldingKubeFake`` is the fake API server (``tests/support/kubefake.py``, see there what the fake
+- ``HoldingKubeFake`` is the fake API server (``tests/support/kubefake/``, see there what the fake
   leaves out of Kubernetes) with one more switch: hold the next matching request until the test
   lets it through (applied, as a write whose reply was lost) or fails it (never applied). That is
   how a test kills the agent "between deciding and writing";
