@@ -1,7 +1,7 @@
 """The disruption budget under another node's credentials, on a real API server.
 
 Nodes A and B, each with an agent pod and its pod-bound service-account token, the generic
-overlay's RBAC and admission policies (``tests/deploy/test_access_real.py`` builds them). The
+overlay's RBAC and admission policies (``tests/support/access_cluster.py`` builds them). The
 budget counts the two nodes: a limit of one. The agent on A runs ``NodeEffects`` with A's token;
 B's token is the attacker. Whatever B writes, A gets ``NoSchedule`` at once, never more than
 the limit is ``NoExecute``, and a slot B holds without a fault of its own is taken back within
@@ -18,7 +18,7 @@ import pytest
 from healthagent.effects.budget import COUNT_LEASE, SLOT_GRACE_SECONDS, counted, held_lease, new_lease, slot_name
 from healthagent.effects.kube import NodeEffects
 from healthagent.effects.state import StateStore
-from tests.deploy.test_access_real import (  # noqa: F401 (access, world: fixtures)
+from tests.support.access_cluster import (  # noqa: F401 (access, world: fixtures)
     NAMESPACE,
     OWN_TAINT,
     World,
