@@ -335,7 +335,7 @@ def test_the_eks_overlays_policy_admits_the_agents_conditions_and_nothing_else(o
     AcceleratedHardwareReady and NetworkingReady on its own node, not GpuHealthy nor Ready."""
     import copy
 
-    from tests.deploy.test_admission_policy import PolicyEvaluator, node, request
+    from tests.support.admission_cel import PolicyEvaluator, node, request
     from tests.support.deploy import find
 
     evaluator = PolicyEvaluator(find(overlays["eks-node-repair"], "ValidatingAdmissionPolicy",
