@@ -11,15 +11,8 @@ from typing import Any
 import pytest
 
 from healthagent.effects.events import REPORTING_CONTROLLER, EventSpec, event_body
-from tests.support.admission_cel import (
-    AGENT_USER,
-    NODE_NAME_EXTRA,
-    Decision,
-    PolicyEvaluator,
-    _definitions,
-    _properties,
-    request,
-)
+from tests.support.admission_cel import (AGENT_USER, NODE_NAME_EXTRA, Decision, PolicyEvaluator, _definitions,
+                                         _properties, request)
 
 pytestmark = pytest.mark.integration
 

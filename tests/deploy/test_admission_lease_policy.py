@@ -21,15 +21,8 @@ from healthagent.effects.budget import (
     released_lease,
     slot_name,
 )
-from tests.support.admission_cel import (
-    AGENT_USER,
-    NODE_NAME_EXTRA,
-    Decision,
-    PolicyEvaluator,
-    _definitions,
-    _properties,
-    request,
-)
+from tests.support.admission_cel import (AGENT_USER, NODE_NAME_EXTRA, Decision, PolicyEvaluator, _definitions,
+                                         _properties, request)
 
 pytestmark = pytest.mark.integration
 
