@@ -248,7 +248,7 @@ def test_the_agent_reads_judges_counts_and_shows_an_adapter_event(tmp_path):
     from healthagent.config import load_settings
     from healthagent.effects.node_desired import plan_conditions
     from healthagent.wiring import AgentRuntime
-    from tests.sources.test_kmsg_follow import make_host, record
+    from tests.support.kmsg_host import make_host, record
 
     cable = "mlx5_core 0000:0c:00.0: port_module:258:(pid 0): Port module event[error]: module 0, Cable error, " \
             "High Temperature"

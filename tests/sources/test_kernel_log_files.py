@@ -23,7 +23,7 @@ from healthagent.model import Action, Collection
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.source import KmsgSource
 from healthagent.wiring import build_classifier
-from tests.sources.test_kmsg_follow import NOW, make_host, record, xid_text
+from tests.support.kmsg_host import NOW, make_host, record, xid_text
 
 
 def text_line(second: int, text: str) -> str:

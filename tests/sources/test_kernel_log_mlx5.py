@@ -17,7 +17,7 @@ from healthagent.sources.kernel_log.offline import iter_adapter_events, iter_cla
 from healthagent.sources.kernel_log.parser import LogChunk, XidLineParser
 from healthagent.sources.kernel_log.repeats import REPEATS_KEPT, RepeatFolder
 from healthagent.sources.kernel_log.source import KmsgSource
-from tests.sources.test_kmsg_follow import BOOT_A, BTIME, NOW, make_host, record, xid_text
+from tests.support.kmsg_host import BOOT_A, BTIME, NOW, make_host, record, xid_text
 
 DEV = "mlx5_core 0000:41:00.0: "
 PCI_CX = "0000:0c:00.0"

@@ -7,112 +7,33 @@ this machine lets a test open it. No reader is mocked.
 
 from __future__ import annotations
 
-import codecs
 import errno
-import json
-import os
-import socket
-import stat
-import time
 import tracemalloc
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log import file_reader
-from healthagent.sources.kernel_log.file_reader import FINGERPRINT_BYTES, fingerprint
 from healthagent.sources.kernel_log.cursor import KmsgCursor
-from healthagent.sources.kernel_log.device_reader import KmsgDeviceReader
-from healthagent.sources.kernel_log.parser import XidLineParser
-from healthagent.sources.kernel_log.ring import RingPosition
 from healthagent.sources.kernel_log.source import KmsgSource
 from healthagent.sources.kernel_log.wording import describe_unreadable
-
-BTIME = 1795150000
-NOW = 1795176000.0
-BOOT_A = "6d1c2f0e-9a8b-4c7d-8e9f-0a1b2c3d4e5f"
-BOOT_B = "0b7e51a2-33c4-4d15-9e26-7f3801a2b4c6"
-
-
-# -- a host root -----------------------------------------------------------------------------------
-
-def make_host(root: Path, boot_id: str = BOOT_A, kmsg_text: str | None = "") -> Path:
-    (root / "proc" / "sys" / "kernel" / "random").mkdir(parents=True, exist_ok=True)
-    (root / "proc" / "sys" / "kernel" / "random" / "boot_id").write_text(boot_id + "\n")
-    (root / "proc" / "stat").write_text(f"cpu  1 2 3 4 5 6 7 0 0 0\nbtime {BTIME}\nprocesses 9\n")
-    (root / "dev").mkdir(exist_ok=True)
-    if kmsg_text is not None:
-        (root / "dev" / "kmsg").write_text(kmsg_text)
-    return root
-
-
-def record(seq: int, text: str, *fields: str, usec: int | None = None, priority: int = 6) -> str:
-    """One /dev/kmsg record with its dictionary lines."""
-    usec = seq * 1000 if usec is None else usec
-    return f"{priority},{seq},{usec},-;{text}\n" + "".join(f" {f}\n" for f in fields)
-
-
-def file_fingerprint(path: Path) -> str:
-    """The fingerprint of a whole file read to its end: its first and last bytes."""
-    data = path.read_bytes()
-    return fingerprint(data[:FINGERPRINT_BYTES], data[-FINGERPRINT_BYTES:])
-
-
-def xid_text(xid: int, bus: str = "a8") -> str:
-    return f"NVRM: Xid (PCI:0000:{bus}:00): {xid}, pid=4242, name=python, seq-test"
-
-
-def boot_log(first: int, last: int, xids: dict[int, int]) -> str:
-    """Records ``first..last``; the seqs in ``xids`` are XID records, the rest is device noise."""
-    return "".join(
-        record(seq, xid_text(xids[seq]), priority=4) if seq in xids
-        else record(seq, f"pci 0000:{seq % 256:02x}:00.0: enabling device (0000 -> 0002)",
-                    "SUBSYSTEM=pci", f"DEVICE=+pci:0000:{seq % 256:02x}:00.0")
-        for seq in range(first, last + 1))
-
-
-def append(path: Path, text: str | bytes) -> None:
-    with open(path, "ab") as fh:
-        fh.write(text.encode() if isinstance(text, str) else text)
-
-
-def seqs(result) -> list[int]:
-    return [e.seq for e in result.xids]
-
-
-def backlogged(result) -> bool:
-    """The detail names the input, plus "backlog: ..." while the per-cycle cap left records unread."""
-    return "; backlog: " in result.health.detail
-
-
-def restart(source: KmsgSource, host: Path, **kw) -> KmsgSource:
-    """What the agent does across a restart: save the cursor as JSON, build a new source from it."""
-    saved = json.loads(json.dumps(source.cursor.to_dict()))
-    source.close()
-    return KmsgSource(str(host), cursor=KmsgCursor.from_dict(saved), **kw)
-
-
-class DeviceFollower:
-    """The /dev/kmsg reader feeding a parser, as ``KmsgSource`` drives the two: ``read`` appends
-    the events of up to ``budget`` records and says whether the budget ran out first."""
-
-    def __init__(self, path: str, fd: int, parser: XidLineParser, tally: ErrorTally, resume_after: int | None,
-                 saved: RingPosition = RingPosition()) -> None:
-        self.reader = KmsgDeviceReader(path, fd, tally, resume_after, saved)
-        self.parser = parser
-
-    def read(self, budget: int, events: list) -> bool:
-        return self.reader.read(budget, self.parser.now, lambda chunk: events.extend(self.parser.feed(chunk)))
-
-    def cursor(self, boot_id: str) -> KmsgCursor:
-        return self.reader.cursor(boot_id)
-
-    def close(self) -> None:
-        self.reader.close()
+from tests.support.kmsg_host import (
+    BOOT_A,
+    BOOT_B,
+    BTIME,
+    NOW,
+    append,
+    backlogged,
+    boot_log,
+    file_fingerprint,
+    make_host,
+    record,
+    restart,
+    seqs,
+    xid_text,
+)
 
 
 @pytest.fixture
@@ -423,168 +344,6 @@ def test_a_directory_is_not_a_kernel_log(host):
 ])
 def test_unreadable_details_say_what_to_do(path, exc, device, expected):
     assert describe_unreadable(path, exc, device) == expected
-
-
-# -- the real /dev/kmsg ----------------------------------------------------------------------------
-
-def _open_real_kmsg_or_skip() -> None:
-    try:
-        os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK))
-    except OSError as exc:
-        pytest.skip(f"cannot open the real /dev/kmsg here ({exc.strerror}; a container without "
-                    f"CAP_SYSLOG gets EPERM)")
-
-
-def test_the_real_dev_kmsg_through_the_source():
-    _open_real_kmsg_or_skip()
-    real_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    first = KmsgSource("/")
-    result = first.collect(time.time())
-    assert result.health.up, result.health.detail
-    cursor = first.cursor
-    assert cursor.boot_id == real_boot_id and cursor.path == "/dev/kmsg" and isinstance(cursor.seq, int)
-    assert all(e.seq <= cursor.seq and e.boot_id == real_boot_id for e in result.xids)
-    second = restart(first, Path("/"))
-    again = second.collect(time.time())
-    assert again.health.up
-    assert all(e.seq > cursor.seq for e in again.xids)  # nothing handed over twice
-    assert second.cursor.seq >= cursor.seq
-    second.close()
-
-
-def _device_host(tmp_path: Path, boot_id: str) -> Path:
-    """A host root whose dev/kmsg is a character-device node of the kernel's kmsg (1, 11)."""
-    _open_real_kmsg_or_skip()
-    host = make_host(tmp_path / "host", boot_id=boot_id, kmsg_text=None)
-    try:
-        os.mknod(host / "dev" / "kmsg", 0o600 | stat.S_IFCHR, os.makedev(1, 11))
-    except OSError as exc:
-        pytest.skip(f"cannot create a kmsg device node here ({exc.strerror}; needs CAP_MKNOD)")
-    return host
-
-
-def test_device_resume_skips_what_this_boot_handed_over_and_a_reboot_reads_the_ring_again(tmp_path):
-    real_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    host = _device_host(tmp_path, real_boot_id)
-    reader = KmsgSource(str(host))
-    reader.collect(time.time())
-    newest = reader.cursor.seq
-    reader.close()
-    assert isinstance(newest, int)
-    # Same boot, a cursor past everything in the ring: every record is skipped, none re-reported.
-    ahead = KmsgSource(str(host), cursor=KmsgCursor(boot_id=real_boot_id, seq=newest + 10**9))
-    result = ahead.collect(time.time())
-    assert result.xids == () and ahead.cursor.seq == newest + 10**9
-    ahead.close()
-    # Another boot's cursor means nothing here: the ring is read from its start again.
-    other = KmsgSource(str(host), cursor=KmsgCursor(boot_id=BOOT_B, seq=newest + 10**9))
-    other.collect(time.time())
-    assert newest <= other.cursor.seq < newest + 10**9
-    other.close()
-
-
-def run_forked(prepare: Callable[[], None], check: Callable[[], object]) -> object:
-    """``check()``'s JSON-able result, computed in a forked child after ``prepare()`` (which gives up
-    privileges for good; the child never returns into pytest)."""
-    codecs.lookup("ascii")  # the child may not be able to load codecs from root's Python install
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            prepare()
-            os.write(writer, json.dumps(check()).encode())
-        except BaseException as exc:  # noqa: BLE001 - handed to the parent, which fails the test
-            os.write(writer, json.dumps({"child_error": repr(exc)}).encode())
-        finally:
-            os._exit(0)
-    os.close(writer)
-    os.waitpid(pid, 0)
-    with os.fdopen(reader, "rb") as fh:
-        reply = json.loads(fh.read())
-    assert not (isinstance(reply, dict) and "child_error" in reply), reply
-    return reply
-
-
-def run_unprivileged(check: Callable[[], object]) -> object:
-    """``check()``'s result as uid/gid 65534: in a forked child when this is root, else right here."""
-    if os.geteuid() != 0:
-        return json.loads(json.dumps(check()))
-
-    def drop_root() -> None:
-        os.setgid(65534)
-        os.setuid(65534)
-
-    return run_forked(drop_root, check)
-
-
-def test_permission_denied_on_the_real_dev_kmsg_says_what_is_missing():
-    """An unprivileged user on this machine: the real /dev/kmsg and the real klogctl both refuse
-    (EPERM) where kernel.dmesg_restrict=1. Host root "/" is this kernel, so klogctl is tried."""
-    def check():
-        result = KmsgSource("/").collect(time.time())
-        return [result.health.up, result.health.detail, dict(result.health.errors)]
-
-    up, detail, errors = run_unprivileged(check)
-    if up:
-        pytest.skip("an unprivileged user may read the kernel log here (kernel.dmesg_restrict=0)")
-    assert detail.startswith("permission denied reading /dev/kmsg (Operation not permitted), and klogctl "
-                             "(syslog(2) READ_ALL) was refused too (Operation not permitted): reading the "
-                             "kernel log needs CAP_SYSLOG")
-    assert "CAP_SYSLOG" in detail and "privileged" in detail
-    assert errors == {"unreadable": 1}
-
-
-def test_device_reader_keeps_record_boundaries_skips_handed_over_records_and_counts_lost_ones():
-    """A SOCK_SEQPACKET socket reads like /dev/kmsg: one record per read(), EAGAIN when empty."""
-    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.setblocking(False)
-    tally = ErrorTally("kmsg")
-    parser = XidLineParser(tally, boot_time=BTIME, now=NOW, boot_id=BOOT_A)
-    follower = DeviceFollower("/dev/kmsg", os.dup(ours.fileno()), parser, tally, resume_after=100)
-    try:
-        for seq, text in [(99, xid_text(13)), (100, xid_text(31)), (104, xid_text(94)), (105, "noise")]:
-            kernel.send(record(seq, text, "SUBSYSTEM=pci", "DEVICE=+pci:0000:a8:00.0", priority=4).encode())
-        events: list = []
-        assert follower.read(50, events) is False  # caught up (EAGAIN)
-        assert [(e.seq, e.xid, e.boot_id) for e in events] == [(104, 94, BOOT_A)]
-        assert tally.snapshot() == {"overrun": 3}  # 101..103 were overwritten before we read them
-        # usec/same: the last record's stamp, so a restart that reads through klogctl resumes there.
-        assert follower.cursor(BOOT_A) == KmsgCursor(boot_id=BOOT_A, seq=105, path="/dev/kmsg", usec=105_000,
-                                                     same=1)
-        for seq in range(106, 110):
-            kernel.send(record(seq, xid_text(48), priority=4).encode())
-        events = []
-        assert follower.read(2, events) is True  # the budget ran out first; the rest stays queued
-        assert [e.seq for e in events] == [106, 107]
-        events = []
-        assert follower.read(50, events) is False
-        assert [e.seq for e in events] == [108, 109]
-    finally:
-        follower.close()
-        ours.close()
-        kernel.close()
-
-
-def test_device_reader_resuming_after_an_sxid_headline_does_not_count_its_detail_lines_again():
-    """The headline was handed over before the restart; its Severity/Data records follow it."""
-    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.setblocking(False)
-    tally = ErrorTally("kmsg")
-    follower = DeviceFollower("/dev/kmsg", os.dup(ours.fileno()),
-                              XidLineParser(tally, boot_time=BTIME, now=NOW), tally, resume_after=7)
-    sxid = "nvidia-nvswitch1: SXid (PCI:0000:05:00.0): 22013, "
-    try:
-        for seq, text in [(7, sxid + "Non-fatal, Link 02"), (8, sxid + "Severity 0 Engine instance 02"),
-                          (9, sxid + "Data {0x00000002}"), (10, xid_text(94))]:
-            kernel.send(record(seq, text, priority=4).encode())
-        events: list = []
-        follower.read(50, events)
-        assert [(e.seq, e.xid) for e in events] == [(10, 94)]
-        assert tally.snapshot() == {}
-    finally:
-        follower.close()
-        ours.close()
-        kernel.close()
 
 
 # -- never raises ----------------------------------------------------------------------------------
