@@ -5,7 +5,7 @@ writes to /dev/kmsg gets another (LOG_USER, 1, unless it names one), so ``12,...
 ``<12>`` (READ_ALL, dmesg -r) or ``user  :warn  :`` (dmesg -x) quoting an XID 94 is someone's
 text, never the driver's report: ignored, counted ``not_kernel_facility``, never judged. Read
 through the real readers: a followed file of /dev/kmsg records under a tmp host root, and the ring
-through ``syslog(2)`` over the fake kernel of ``test_klog``.
+through ``syslog(2)`` over the fake kernel of ``tests/support/klog_kernel.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from healthagent.sources.kernel_log.parser import XidLineParser
 from healthagent.sources.kernel_log.repeats import REPEATS_KEPT, RepeatFolder
 from healthagent.sources.kernel_log.source import KmsgSource
 from healthagent.wiring import build_classifier
-from tests.sources.test_klog import FakeKernel, line, source_for
-from tests.sources.test_kmsg_follow import BTIME, NOW, make_host, record, xid_text
+from tests.support.klog_kernel import FakeKernel, line, source_for
+from tests.support.kmsg_host import BTIME, NOW, make_host, record, xid_text
 
 XID_94 = xid_text(94)
 

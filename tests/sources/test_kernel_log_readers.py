@@ -1,10 +1,10 @@
 """Every kernel-log reader behind the one interface: the same contract, input by input.
 
 Each input is real where it can be: a file under tmp_path, the /dev/kmsg reader over a
-SOCK_SEQPACKET socket (one record per read(), EAGAIN when empty, as ``test_kmsg_follow.py`` reads
-it), and the klogctl reader over ``FakeKernel`` (``test_klog.py``), which answers in READ_ALL's
-format. Opening again from a cursor stands for an agent restart: the device and the ring hand the
-whole buffer over again, the file is the same file.
+SOCK_SEQPACKET socket (one record per read(), EAGAIN when empty, as ``test_kmsg_device.py`` reads
+it), and the klogctl reader over ``FakeKernel`` (``tests/support/klog_kernel.py``), which answers
+in READ_ALL's format. Opening again from a cursor stands for an agent restart: the device and the
+ring hand the whole buffer over again, the file is the same file.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from healthagent.sources.kernel_log.parser import LogChunk, XidLineParser
 from healthagent.sources.kernel_log.reader import InputError, KernelLogReader
 from healthagent.sources.kernel_log.ring import RingPosition
 from healthagent.sources.kernel_log.ring_reader import KlogctlReader
-from tests.sources.test_klog import FakeKernel, line
-from tests.sources.test_kmsg_follow import BOOT_A, BTIME, NOW, append, record, xid_text
+from tests.support.klog_kernel import FakeKernel, line
+from tests.support.kmsg_host import BOOT_A, BTIME, NOW, append, record, xid_text
 
 ENOENT = FileNotFoundError(errno.ENOENT, "No such file or directory")
 

@@ -1,6 +1,6 @@
 """The kernel-log source without /dev/kmsg: the ring buffer through syslog(2) (klogctl).
 
-The source is driven through its injectable ``klogctl``: ``FakeKernel`` below stands behind glibc's
+The source is driven through its injectable ``klogctl``: ``FakeKernel`` (``tests/support/klog_kernel.py``) stands behind glibc's
 calling convention and hands back buffers in READ_ALL's real format (the fixtures
 ``tests/fixtures/kmsg/klogctl-*.txt``). Where the kernel itself can refuse (a mode-000 file opened
 by an unprivileged user, this machine's real ``klogctl``), the tests use the kernel.
@@ -8,16 +8,12 @@ by an unprivileged user, this machine's real ``klogctl``), the tests use the ker
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -26,145 +22,28 @@ from hypothesis import strategies as st
 
 from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log.cursor import KmsgCursor
-from healthagent.sources.kernel_log.klogctl import (
-    READ_BUFFER_FACTOR,
-    SYSLOG_ACTION_READ_ALL,
-    SYSLOG_ACTION_SIZE_BUFFER,
-    KernelLog,
-)
+from healthagent.sources.kernel_log.klogctl import SYSLOG_ACTION_READ_ALL
 from healthagent.sources.kernel_log.offline import iter_events
 from healthagent.sources.kernel_log.parser import XidLineParser
 from healthagent.sources.kernel_log.ring import RingPosition, line_usec
-from healthagent.sources.kernel_log.source import KmsgSource
-from healthagent.sources.kernel_log.wording import describe_both_unreadable
-from tests.sources.test_kmsg_follow import (
-    BOOT_A,
-    BOOT_B,
-    BTIME,
-    NOW,
-    DeviceFollower,
-    make_host,
-    record,
-    run_forked,
-    run_unprivileged,
-    xid_text,
+from tests.support.klog_kernel import host  # noqa: F401 (a fixture)
+from tests.support.klog_kernel import (
+    FIXTURE_LINES,
+    FIXTURES,
+    NO_TIME_FIXTURE,
+    ONLY_READ_ACTIONS,
+    READ_ALL_FIXTURE,
+    FakeKernel,
+    drain,
+    expected_keys,
+    keys,
+    line,
+    noise,
+    restart,
+    source_for,
+    xid_line,
 )
-
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kmsg"
-EXPECTED = json.loads((FIXTURES / "expected-events.json").read_text())
-READ_ALL_FIXTURE = "klogctl-read-all.txt"
-NO_TIME_FIXTURE = "klogctl-notime.txt"
-ONLY_READ_ACTIONS = {SYSLOG_ACTION_SIZE_BUFFER, SYSLOG_ACTION_READ_ALL}
-FIXTURE_LINES = (FIXTURES / READ_ALL_FIXTURE).read_text().splitlines(keepends=True)
-
-
-class FakeKernel:
-    """A kernel's printk ring buffer behind glibc's ``klogctl(type, bufp, len)``.
-
-    A fake, because this machine's real ring cannot be made to hold chosen lines, wrap or refuse on
-    demand (the real one is exercised at the end of this file). It honours what the source relies
-    on: action 10 returns the buffer size; action 3 copies the newest whole lines that fit ``len``
-    into ``bufp``, consumes nothing and returns their length; a refusal returns -1 with errno set,
-    as the C library does. Every other action fails with EINVAL and every action is recorded, so a
-    test can show that nothing destructive is ever asked for. Left out: the kernel's formatting
-    (lines are given as READ_ALL prints them), its space accounting (counted here in formatted
-    bytes; the oldest whole lines are dropped when full, as the kernel drops its oldest records),
-    and the CAP_SYSLOG check itself (a test sets ``refuse``).
-    """
-
-    def __init__(self, text: str | bytes = b"", capacity: int = 1 << 16) -> None:
-        self.capacity = capacity
-        self.lines: list[bytes] = []
-        self.actions: list[int] = []
-        self.lengths: list[int] = []  # the len argument of each call
-        self.refuse: int | None = None
-        self.log(text)
-
-    def log(self, text: str | bytes) -> None:
-        data = text.encode() if isinstance(text, str) else text
-        self.lines.extend(data.splitlines(keepends=True))
-        while sum(map(len, self.lines)) > self.capacity:
-            self.lines.pop(0)
-
-    def clear(self) -> None:
-        """What ``dmesg -C`` (SYSLOG_ACTION_CLEAR by someone else) does to READ_ALL's view."""
-        self.lines.clear()
-
-    def __call__(self, action: int, buffer, length: int) -> int:
-        self.actions.append(action)
-        self.lengths.append(length)
-        if self.refuse:
-            ctypes.set_errno(self.refuse)
-            return -1
-        if action == SYSLOG_ACTION_SIZE_BUFFER:
-            return self.capacity
-        if action != SYSLOG_ACTION_READ_ALL:
-            ctypes.set_errno(errno.EINVAL)
-            return -1
-        newest: list[bytes] = []
-        size = 0
-        for line in reversed(self.lines):
-            if size + len(line) > length:
-                break
-            newest.append(line)
-            size += len(line)
-        data = b"".join(reversed(newest))
-        ctypes.memmove(buffer, data, len(data))
-        return len(data)
-
-
-def line(usec: int, text: str, priority: int = 4) -> str:
-    """One line as READ_ALL prints it with printk.time on."""
-    return f"<{priority}>[{usec // 1_000_000:5d}.{usec % 1_000_000:06d}] {text}\n"
-
-
-def xid_line(usec: int, xid: int, pid: int = 4242, bus: str = "a8") -> str:
-    return line(usec, f"NVRM: Xid (PCI:0000:{bus}:00): {xid}, pid={pid}, name=python, Contained: SM (0x1).")
-
-
-def noise(usec: int) -> str:
-    return line(usec, f"pci 0000:{usec % 256:02x}:00.0: enabling device (0000 -> 0002)", priority=6)
-
-
-def source_for(host: Path, kernel: FakeKernel, boot_id: str = BOOT_A, **kw) -> KmsgSource:
-    """A source on ``kernel``; it reads the ring on every collect (tests pass one ``now``)."""
-    kw.setdefault("klog_poll_seconds", 0)
-    return KmsgSource(str(host), klog=KernelLog(klogctl=kernel, boot_id=boot_id), **kw)
-
-
-def restart(source: KmsgSource, host: Path, kernel: FakeKernel, **kw) -> KmsgSource:
-    """What the agent does across a restart: the cursor goes through JSON into a new source."""
-    saved = json.loads(json.dumps(source.cursor.to_dict()))
-    source.close()
-    return source_for(host, kernel, cursor=KmsgCursor.from_dict(saved), **kw)
-
-
-def drain(source: KmsgSource, bound: int = 100) -> list:
-    """Collect until no backlog is left; every result's events, in order."""
-    events = []
-    for _ in range(bound):
-        result = source.collect(NOW)
-        assert result.health.up, result.health.detail
-        events += result.xids
-        if "; backlog: " not in result.health.detail:
-            return events
-    raise AssertionError(f"still backlogged after {bound} collects")
-
-
-def keys(events) -> list[tuple]:
-    return [(e.kind, e.xid, e.pci_bus_id, e.pid, round(e.timestamp, 6)) for e in events]
-
-
-def expected_keys(name: str) -> list[tuple]:
-    def stamp(want: dict) -> float:
-        return round(BTIME + want["since_boot"], 6) if "since_boot" in want else NOW
-    return [(w["kind"], w["xid"], w["pci_bus_id"], w.get("pid"), stamp(w)) for w in EXPECTED[name]["events"]]
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> Path:
-    """A host root whose dev/kmsg is not there (not mounted into the pod): klogctl is the input."""
-    return make_host(tmp_path / "host", kmsg_text=None)
+from tests.support.kmsg_host import BOOT_A, BOOT_B, BTIME, NOW, DeviceFollower, make_host, record, xid_text
 
 
 # -- reading a ring ----------------------------------------------------------------------------
@@ -429,226 +308,6 @@ def test_records_handed_over_through_klogctl_are_not_repeated_by_the_device_read
         kernel_side.close()
     assert [e.seq for e in events] == new
     assert device.cursor(BOOT_A) == KmsgCursor(boot_id=BOOT_A, seq=6, path="/dev/kmsg", usec=9_000, same=1)
-
-
-# -- privileges --------------------------------------------------------------------------------
-
-def test_refused_everywhere_says_what_is_missing_is_counted_once_and_recovers(host):
-    kernel = FakeKernel(xid_line(1_000, 94))
-    kernel.refuse = errno.EPERM
-    source = source_for(host, kernel)
-    results = [source.collect(NOW) for _ in range(3)]
-    for result in results:
-        assert not result.health.up and result.xids == ()
-        assert result.health.detail == (
-            f"{host}/dev/kmsg not found, and klogctl (syslog(2) READ_ALL) was refused too (Operation not "
-            f"permitted): reading the kernel log needs CAP_SYSLOG (kernel.dmesg_restrict=1); add it to the "
-            f"container (capabilities add SYSLOG, as uid 0, with a seccomp profile that allows syslog, as "
-            f"RuntimeDefault does then), which is enough for klogctl, or run the container privileged to "
-            f"open /dev/kmsg")
-    assert results[-1].health.errors == {"unreadable": 1}  # one outage, not one per retry
-    kernel.refuse = None  # CAP_SYSLOG granted
-    recovered = source.collect(NOW)
-    assert recovered.health.up and [e.xid for e in recovered.xids] == [94]
-    assert recovered.health.errors == {"unreadable": 1}
-    assert recovered.health.detail.startswith("klogctl")
-
-
-def test_klogctl_failing_while_followed_is_reported_and_the_next_open_resumes(host):
-    kernel = FakeKernel(xid_line(1_000, 13, pid=1))
-    source = source_for(host, kernel)
-    assert [e.pid for e in source.collect(NOW).xids] == [1]
-    kernel.refuse = errno.EPERM
-    down = source.collect(NOW)
-    assert not down.health.up and "was refused too (Operation not permitted)" in down.health.detail
-    kernel.refuse = None
-    kernel.log(xid_line(2_000, 94, pid=2))
-    assert [e.pid for e in source.collect(NOW).xids] == [2]  # resumed from the cursor, no repeat
-
-
-@pytest.mark.parametrize("code, expected", [
-    (errno.EPERM, "P not found, and klogctl (syslog(2) READ_ALL) was refused too (Operation not permitted): "
-                  "reading the kernel log needs CAP_SYSLOG"),
-    (errno.EACCES, "P not found, and klogctl (syslog(2) READ_ALL) was refused too (Permission denied): "
-                   "reading the kernel log needs CAP_SYSLOG"),
-    (errno.ENOSYS, "P not found, and klogctl (syslog(2) READ_ALL) failed too (Function not implemented); "
-                   "run the container privileged to open /dev/kmsg, or pass --kernel-log FILE"),
-])
-def test_both_unreadable_details(code, expected):
-    assert describe_both_unreadable("P not found", OSError(code, os.strerror(code))).startswith(expected)
-
-
-def test_a_host_root_of_another_boot_is_never_read_through_this_kernel(host):
-    """klogctl reads the running kernel: a copied or demo host root must not get its lines."""
-    kernel = FakeKernel(xid_line(1_000, 94))
-    source = source_for(host, kernel, boot_id=BOOT_B)
-    result = source.collect(NOW)
-    assert not result.health.up and result.xids == ()
-    assert result.health.detail == (
-        f"{host}/dev/kmsg not found (mount the host's /dev/kmsg into the pod, or pass --kernel-log FILE) "
-        f"(klogctl not tried: it reads this machine's kernel, boot id {BOOT_B}, and {host} is boot {BOOT_A})")
-    assert kernel.actions == []
-
-
-def test_a_kernel_log_file_never_falls_back(tmp_path, host):
-    kernel = FakeKernel(xid_line(1_000, 94))
-    result = source_for(host, kernel, kernel_log=str(tmp_path / "missing.log")).collect(NOW)
-    assert not result.health.up and result.health.detail == f"{tmp_path}/missing.log not found"
-    assert kernel.actions == []
-
-
-@pytest.fixture
-def world_readable_host():
-    """A host root an unprivileged user can walk (pytest's tmp dirs are private to root), removed
-    after the test."""
-    root = Path(tempfile.mkdtemp(prefix="healthagent-klog-"))
-    try:
-        root.chmod(0o755)
-        host = make_host(root / "host", boot_id=BOOT_A, kmsg_text=None)
-        for folder in (host, *(p for p in host.rglob("*") if p.is_dir())):
-            folder.chmod(0o755)
-        yield host
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def test_klogctl_is_taken_when_the_kernel_refuses_to_open_dev_kmsg(world_readable_host):
-    """dev/kmsg is a file of mode 000, opened by an unprivileged user: the kernel answers EACCES,
-    as a device cgroup answers EPERM for the real device (which this machine has no cgroup to show)."""
-    host = world_readable_host
-    kmsg = host / "dev" / "kmsg"
-    kmsg.write_text(record(1, xid_text(13), priority=4))  # must not be read: the kernel refuses it
-    kmsg.chmod(0)
-    ring = FakeKernel((FIXTURES / READ_ALL_FIXTURE).read_text())
-
-    def check():
-        try:
-            os.close(os.open(kmsg, os.O_RDONLY))
-            return {"opened": True}
-        except PermissionError:
-            pass
-        result = source_for(host, ring).collect(NOW)
-        return {"up": result.health.up, "detail": result.health.detail, "keys": keys(result.xids),
-                "errors": dict(result.health.errors)}
-
-    reply = run_unprivileged(check)
-    if reply.get("opened"):
-        pytest.skip("this user can open a mode-000 file (CAP_DAC_OVERRIDE without root?)")
-    assert reply["up"] and reply["errors"] == {}
-    assert reply["detail"] == (f"klogctl (syslog(2) READ_ALL), because permission denied reading {kmsg} "
-                               f"(Permission denied): a container that is not privileged may not open the "
-                               f"device; klogctl needs CAP_SYSLOG only")
-    assert [tuple(k) for k in reply["keys"]] == expected_keys(READ_ALL_FIXTURE)
-
-
-# -- the C library wrapper ---------------------------------------------------------------------
-
-def test_kernel_log_sizes_its_buffer_from_size_buffer_and_reads_with_read_all_only():
-    kernel = FakeKernel(xid_line(1_000, 94), capacity=3000)
-    reader = KernelLog(klogctl=kernel, boot_id=BOOT_A)
-    assert reader.open() == 3000
-    assert reader.read_all() == xid_line(1_000, 94).encode()
-    assert kernel.actions == [SYSLOG_ACTION_SIZE_BUFFER, SYSLOG_ACTION_READ_ALL]
-    assert reader.boot_id() == BOOT_A
-    # READ_ALL's text (a prefix on every line) can be longer than the records SIZE_BUFFER measures.
-    assert kernel.lengths == [0, 3000 * READ_BUFFER_FACTOR]
-    reader.close()
-    assert reader.read_all() == xid_line(1_000, 94).encode()  # reopens: sizes the buffer again
-    assert kernel.actions[2:] == [SYSLOG_ACTION_SIZE_BUFFER, SYSLOG_ACTION_READ_ALL]
-
-
-@pytest.mark.parametrize("code", [errno.EPERM, errno.EACCES, errno.ENOSYS])
-def test_kernel_log_turns_minus_one_and_errno_into_oserror(code):
-    kernel = FakeKernel()
-    kernel.refuse = code
-    with pytest.raises(OSError) as raised:
-        KernelLog(klogctl=kernel).read_all()
-    assert (raised.value.errno, raised.value.strerror) == (code, os.strerror(code))
-
-
-def _real_ring_or_skip() -> bytes:
-    try:
-        return KernelLog().read_all()
-    except OSError as exc:
-        if exc.errno in (errno.EPERM, errno.EACCES):
-            pytest.skip(f"this machine refuses klogctl READ_ALL ({exc.strerror}): no CAP_SYSLOG here")
-        raise
-
-
-CAP_SYSLOG = 34
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
-
-
-def _keep_only_capabilities(mask: int) -> None:
-    """capset(2): effective and permitted become ``mask`` (uid stays 0). Dropping needs no privilege."""
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
-
-    halves = (Data * 2)(Data(mask & 0xFFFFFFFF, mask & 0xFFFFFFFF, 0), Data(mask >> 32, mask >> 32, 0))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.capset(ctypes.byref(Header(_LINUX_CAPABILITY_VERSION_3, 0)), halves) != 0:
-        raise OSError(ctypes.get_errno(), "capset")
-
-
-def test_the_real_kernel_lets_klogctl_through_with_cap_syslog_alone():
-    """uid 0 with every capability dropped but CAP_SYSLOG (the DaemonSet's set) reads the ring through
-    klogctl; with CAP_SYSLOG dropped too, the kernel refuses it (kernel.dmesg_restrict=1)."""
-    _real_ring_or_skip()
-    if os.geteuid() != 0:
-        pytest.skip("needs root to drop to a chosen capability set in a child")
-    if Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() != "1":
-        pytest.skip("kernel.dmesg_restrict=0 here: klogctl needs no capability at all")
-
-    def attempt() -> str:
-        try:
-            return f"read {len(KernelLog(boot_id='').read_all())} bytes"
-        except OSError as exc:
-            return errno.errorcode[exc.errno]
-
-    def check() -> list[str]:
-        with_syslog = attempt()
-        _keep_only_capabilities(0)
-        return [with_syslog, attempt()]
-
-    with_syslog, without = run_forked(lambda: _keep_only_capabilities(1 << CAP_SYSLOG), check)
-    assert with_syslog.startswith("read ") and with_syslog != "read 0 bytes"
-    assert without == "EPERM"
-
-
-def test_the_real_klogctl_returns_read_all_lines():
-    data = _real_ring_or_skip()
-    assert data.endswith(b"\n")
-    lines = data.split(b"\n")[:-1]
-    assert lines and all(re.match(rb"<\d{1,3}>", raw) for raw in lines)
-    stamps = [line_usec(raw, 0) for raw in lines]
-    assert all(s is not None for s in stamps) or all(s is None for s in stamps)  # printk.time is global
-
-
-def test_the_real_klogctl_through_the_source_parses_without_error_and_resumes(tmp_path):
-    """This machine's ring through the source: a host root of this boot without dev/kmsg."""
-    _real_ring_or_skip()
-    real_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    host = make_host(tmp_path / "host", boot_id=real_boot_id, kmsg_text=None)
-    first = KmsgSource(str(host))
-    result = first.collect(time.time())
-    assert result.health.up, result.health.detail
-    assert result.health.detail.startswith(f"klogctl (syslog(2) READ_ALL), because {host}/dev/kmsg not found")
-    assert not {"parse", "decode", "unreadable", "overrun"} & set(result.health.errors)
-    cursor = first.cursor
-    assert cursor.boot_id == real_boot_id and (cursor.usec is not None or cursor.tail)
-    second = KmsgSource(str(host), cursor=KmsgCursor.from_dict(json.loads(json.dumps(cursor.to_dict()))))
-    again = second.collect(time.time())
-    assert again.health.up and not {"parse", "decode", "unreadable"} & set(again.health.errors)
-    if cursor.usec is not None:
-        newest = KernelLog().read_all()
-        assert cursor.usec <= second.cursor.usec <= line_usec(newest, newest.rfind(b"\n", 0, -1) + 1)
-        assert not {e.line for e in result.xids} & {e.line for e in again.xids}  # nothing twice
-    first.close()
-    second.close()
 
 
 # -- never a repeat, never a skip --------------------------------------------------------------
