@@ -53,3 +53,10 @@ def events_by_reason(fake) -> dict[str, int]:
     for event in fake.events():
         counts[event["reason"]] = counts.get(event["reason"], 0) + 1
     return counts
+
+
+REPLACE = [("replace_node", "NoSchedule")]  # our_taints() while a replace_node verdict holds
+
+
+def gpu_xid_events(fake) -> list[dict]:
+    return [e for e in fake.events() if e["reason"] == "GPU_XID"]
