@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dashboards.test_live_prometheus import DEADLINE, Prometheus, _rules_without_for
-from tests.support.observability import (dashboard_queries, require_binary, start_prometheus, substitute, wait_for,
-                                         write_scrape_config)
+from tests.dashboards.test_live_prometheus import DEADLINE, scraped_by_prometheus
+from tests.support.observability import dashboard_queries, require_binary, substitute, wait_for
 from tests.support.rdma_tree import DISABLED, DOWN, HDR, build_rdma_tree
 
 pytestmark = pytest.mark.integration
@@ -55,19 +54,8 @@ def fabric(tmp_path):
         "listen": "127.0.0.1:0", "state_file": str(tmp_path / "state.json"), "node_name": NODE,
         "rdma_interval_seconds": 1, "log_level": "WARNING", "training_intake": "off",
     })
-    runtime = AgentRuntime(settings)
-    runtime.start()
-    server = None
-    try:
-        rules = tmp_path / "rules.yaml"
-        _rules_without_for(rules)
-        config = write_scrape_config(tmp_path / "prometheus.yml", runtime.server.port, NODE, rules)
-        server, url = start_prometheus(config, tmp_path)
-        yield tree, kernel_log, Prometheus(url)
-    finally:
-        if server is not None:
-            server.stop()
-        runtime.stop()
+    with scraped_by_prometheus(AgentRuntime(settings), NODE, tmp_path) as prometheus:
+        yield tree, kernel_log, prometheus
 
 
 def test_the_fabric_dashboard_returns_data_and_the_fabric_alerts_fire(fabric):

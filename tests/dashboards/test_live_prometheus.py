@@ -17,7 +17,9 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import yaml
@@ -85,6 +87,24 @@ def _rules_without_for(path: Path) -> None:
             if "for" in rule:
                 rule["for"] = "0s"
     path.write_text(yaml.safe_dump(rules, sort_keys=False), encoding="utf-8")
+
+
+@contextmanager
+def scraped_by_prometheus(runtime: Any, node: str, tmp_path: Path) -> Iterator["Prometheus"]:
+    """Start the agent (an ``AgentRuntime``), then a real Prometheus scraping it as ``node`` with
+    the rule file, every ``for:`` at 0s; both stop on the way out, Prometheus first."""
+    runtime.start()
+    server = None
+    try:
+        rules = tmp_path / "rules.yaml"
+        _rules_without_for(rules)
+        config = write_scrape_config(tmp_path / "prometheus.yml", runtime.server.port, node, rules)
+        server, url = start_prometheus(config, tmp_path)
+        yield Prometheus(url)
+    finally:
+        if server is not None:
+            server.stop()
+        runtime.stop()
 
 
 class Prometheus:
@@ -177,18 +197,8 @@ def live_stack(tmp_path, monkeypatch):
         "dcgm_timeout_seconds": 0.5, "training_token": TRAINING_KEY,
     })
     runtime = AgentRuntime(settings)
-    runtime.start()
-    prometheus_server = None
-    try:
-        rules = tmp_path / "rules.yaml"
-        _rules_without_for(rules)
-        config = write_scrape_config(tmp_path / "prometheus.yml", runtime.server.port, NODE, rules)
-        prometheus_server, url = start_prometheus(config, tmp_path)
-        yield node, runtime, Prometheus(url)
-    finally:
-        if prometheus_server is not None:
-            prometheus_server.stop()
-        runtime.stop()
+    with scraped_by_prometheus(runtime, NODE, tmp_path) as prometheus:
+        yield node, runtime, prometheus
 
 
 @pytest.mark.integration
