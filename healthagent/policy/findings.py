@@ -105,13 +105,14 @@ _INFOS = (
                 "RDMA work requests fail on {device}: usually application or libfabric/NCCL "
                 "configuration (memory registration); check the job's logs first."),
     FindingInfo("RDMA_PORT_DOWN", "InfiniBand/RoCE port down", Action.REBOOT_NODE,
-                "Port {device} was up and is not: its jobs' NCCL traffic on it has failed. Check the "
-                "cable, transceiver and switch port (`ibstat`, `mlxlink -d <pci> -m`), fix the link, "
-                "then reboot the node (or clear it) to return it to the job."),
+                "Port {device} was up (or the policy file's rdma_ports: says it must be) and is not: "
+                "its jobs' NCCL traffic on it has failed. Check the cable, transceiver and switch "
+                "port (`ibstat`, `mlxlink -d <pci> -m`), fix the link, then reboot the node (or clear "
+                "it) to return it to the job."),
     FindingInfo("RDMA_PORT_DEGRADED", "InfiniBand/RoCE port below its rate", Action.MONITOR,
-                "Port {device} trained below the rate it (or its sibling ports) runs at: the job's "
-                "collectives run at the slowest rail. Plan a drain; reseat or replace the cable "
-                "(`mlxlink -d <pci> -m -e` for lanes and BER)."),
+                "Port {device} trained below the rate it (or its sibling ports, or rdma_ports:) "
+                "expects: the job's collectives run at the slowest rail. Plan a drain; reseat or "
+                "replace the cable (`mlxlink -d <pci> -m -e` for lanes and BER)."),
     FindingInfo("RDMA_LINK_FLAPPING", "InfiniBand/RoCE link flapping", Action.REBOOT_NODE,
                 "The link of {device} went down and came back repeatedly (link_downed): every flap "
                 "breaks the job's queue pairs. Drain, replace the cable or transceiver or move the "
