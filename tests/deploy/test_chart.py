@@ -10,6 +10,8 @@ template, and here each overlay (and each component) must give exactly the objec
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +176,30 @@ def test_the_chart_files_are_the_bases(tmp_path: Path):
     assert ((CHART / "files" / "admission-policy.yaml").read_bytes()
             == (DEPLOY / "base" / "admission-policy.yaml").read_bytes())
     assert (REPO / "deploy" / "helm" / "healthagent" / "Chart.yaml").is_file()
+
+
+def helm_commands(markdown: Path) -> list[list[str]]:
+    """The ``helm`` lines of the first bash block holding one, split as a shell would."""
+    blocks = re.findall(r"```bash\n(.*?)```", markdown.read_text(encoding="utf-8"), flags=re.S)
+    (block,) = [b for b in blocks if "\nhelm " in "\n" + b][:1]
+    return [shlex.split(line.replace("$REGISTRY", "registry.example.com"))
+            for line in block.splitlines() if line.startswith("helm ")]
+
+
+@pytest.mark.parametrize("markdown", [REPO / "README.md", CHART / "README.md"], ids=["README", "chart-README"])
+def test_the_readmes_install_in_two_helm_commands_dry_run_first(helm, markdown):
+    install, upgrade = helm_commands(markdown)
+    assert install[:4] == ["helm", "install", "healthagent", "deploy/helm/healthagent"]
+    assert upgrade[:4] == ["helm", "upgrade", "healthagent", "deploy/helm/healthagent"] and "--reuse-values" in upgrade
+
+    def rendered(flags: list[str]) -> dict[str, str]:
+        result = helm.run("template", "healthagent", str(CHART), *flags)
+        assert result.returncode == 0, result.stderr
+        (daemonset,) = [o for o in yaml.safe_load_all(result.stdout) if o and o["kind"] == "DaemonSet"]
+        container = daemonset["spec"]["template"]["spec"]["containers"][0]
+        return {"image": container["image"], **{e["name"]: e.get("value") for e in container["env"]}}
+
+    first = rendered(install[4:])
+    assert first["image"] == "registry.example.com/healthagent:0.1.0" and first["HEALTHAGENT_KUBE"] == "dry-run"
+    second = rendered(install[4:] + [f for f in upgrade[4:] if f != "--reuse-values"])
+    assert second["image"] == first["image"] and second["HEALTHAGENT_KUBE"] == "in-cluster"
