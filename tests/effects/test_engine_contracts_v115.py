@@ -30,15 +30,9 @@ from healthagent.effects.node_desired import CLEAR_ANNOTATION
 from healthagent.model import Action, Verdict
 from healthagent.policy.explain import EKS_REBOOT_XIDS
 from tests.effects.helpers import T0, cleared_by
-from tests.effects.test_engine_contracts import GRACE, KARPENTER_POLICIES, POOL, XID79, XID94, due_repair
-from tests.effects.test_scenarios import (  # noqa: F401 (cluster, fake_or_none: fixtures)
-    XID94_LINE,
-    cluster,
-    effects_for,
-    fake_or_none,
-    no_internal_errors,
-    ours,
-    xid_finding,
+from tests.effects.test_engine_contracts import (  # noqa: F401 (cluster, fake_or_none: fixtures)
+    GRACE, KARPENTER_POLICIES, POOL, XID79, XID94, XID94_LINE, cluster, due_repair, effects_for, fake_or_none,
+    no_internal_errors, ours, xid_finding,
 )
 
 pytestmark = pytest.mark.integration
