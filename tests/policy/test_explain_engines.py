@@ -108,3 +108,16 @@ def test_under_eks_karpenter_v115_is_paced_by_budgets_and_reboots_by_reason(caps
     xid95 = explained(capsys, "95", "--set", "condition_vocabulary=eks")
     assert "NvidiaXID95Error is a reboot" in xid95
     assert "EKS node monitoring agent v1.7.2" in xid94
+
+
+def test_the_install_guide_says_per_engine_and_version_what_explain_says():
+    """explain and docs/install.md name the same releases, each engine with its own paragraph."""
+    from healthagent.policy.explain import KARPENTER_V115, KARPENTER_VERSION, NMA_VERSION
+
+    text = (OPERATIONS.parent / "install.md").read_text(encoding="utf-8")
+    section = text.split("### Per engine and version", 1)[1].split("\n## ", 1)[0]
+    for engine in (f"**Karpenter {KARPENTER_VERSION}**", f"**Karpenter {KARPENTER_V115}**",
+                   "**EKS managed node groups' node auto repair**", "**SageMaker HyperPod**",
+                   f"**The EKS node monitoring agent {NMA_VERSION}**", "**NVSentinel**"):
+        assert engine in section, engine
+    assert "RebootForRepair" in section and "karpenter.sh/do-not-repair" in section
