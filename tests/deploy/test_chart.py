@@ -25,21 +25,13 @@ from healthagent.config import load_settings
 from healthagent.model import Action
 from healthagent.policy.settings import load_policy
 
-from tests.support import helm_binary
 from tests.support.deploy import DEPLOY, REPO, overlay_with_components, render
-from tests.support.helm import CHART, COMPONENT_VALUES, PRESETS, Helm, by_identity, merged
+from tests.support.helm import CHART, COMPONENT_VALUES, PRESETS, by_identity
+from tests.support.helm_cluster import helm_fixture  # noqa: F401 (helm: a fixture)
 
 pytestmark = pytest.mark.integration
 
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection", "*"}
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory) -> Helm:
-    binary = helm_binary.helm_path()
-    if binary is None:
-        pytest.skip(helm_binary.missing_reason())
-    return Helm(binary, tmp_path_factory.mktemp("helm-home"))
 
 
 def test_the_chart_lints_strict(helm):

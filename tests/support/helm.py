@@ -119,15 +119,3 @@ def comparable(obj: dict[str, Any]) -> dict[str, Any]:
 
 def by_identity(objects: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
     return {identity(obj): comparable(obj) for obj in objects}
-
-
-def merged(*layers: dict[str, Any]) -> dict[str, Any]:
-    """Values layers merged the way helm merges ``-f`` files (maps deep, everything else replaced)."""
-    out: dict[str, Any] = {}
-    for layer in layers:
-        for key, value in layer.items():
-            if isinstance(value, dict) and isinstance(out.get(key), dict):
-                out[key] = merged(out[key], value)
-            else:
-                out[key] = copy.deepcopy(value)
-    return out
