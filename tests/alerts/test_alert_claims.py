@@ -132,6 +132,17 @@ def test_a_budget_that_evicts_held_nodes_would_contradict_the_budget_alerts(monk
         assert _named(found, alert), found
 
 
+def test_a_reboot_taint_that_outlived_the_reboot_would_contradict_the_reboot_alert(monkeypatch):
+    import tests.support.alert_claims as claims
+
+    real = claims.decide
+    monkeypatch.setattr(claims, "decide", lambda verdict, node, *a, **kw: real(verdict, {
+        **node, "status": {"nodeInfo": {"bootID": "boot-a"}}}, *a, **kw))
+    found = contradictions(ALERTS, Behaviour())
+    assert [line.split(": ", 1)[1].split(";")[0] for line in found] == [
+        "the taint clears after the reboot: says the taint clears after the reboot once the checks pass"]
+
+
 def test_words_about_behaviour_that_no_claim_reads_fail():
     alerts = copy.deepcopy(ALERTS)
     _alert(alerts, "HealthagentGpuLost")["annotations"]["description"] += " The pods are evicted within 5 s."

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from healthagent.config import Settings
-from healthagent.effects.node_desired import NO_EXECUTE, NO_SCHEDULE, TAINT_ACTIONS, plan_taint
-from healthagent.model import Action
+from healthagent.effects.node_desired import NO_EXECUTE, NO_SCHEDULE, TAINT_ACTIONS, TAINT_BOOT_ANNOTATION, plan_taint
+from healthagent.effects.plan import decide
+from healthagent.model import Action, Verdict
 from healthagent.policy.catalog import load_catalog
 from healthagent.policy.findings import FINDINGS
 from healthagent.policy.mlx5_catalog import load_mlx5_catalog
@@ -35,7 +36,7 @@ ALERTS_DOC = REPO / "docs" / "alerts.md"
 TEMPLATE = re.compile(r"\{\{.*?\}\}", re.S)
 TOPIC = re.compile(r"NoSchedule|NoExecute|\bgrace\b|\bevict\w*|keep running|pods stay|pods on it|"
                    r"takes the node out|\bXID \d+|row-remap failure|retired pages|lost GPU|\b\d+ s\b|"
-                   r"policy's [A-Z_0-9]+ default|comes back after a reboot")
+                   r"policy's [A-Z_0-9]+ default|after (?:a|the) reboot")
 # The example phrases an alert may give for a verdict, and the finding code each one is.
 EXAMPLES = {"a row-remap failure": "GPU_ROW_REMAP_FAILURE", "too many retired pages": "GPU_RETIRED_PAGES",
             "a lost GPU": "GPU_LOST"}
@@ -67,6 +68,14 @@ class Behaviour:
         plan = plan_taint(action=action, node=node, taint_key=key, grace_seconds=self.grace, since=since,
                           now=now, held=held, reboot_noexecute=self.settings.reboot_node_noexecute)
         return plan.taint.effect if plan.taint else ""
+
+    def shown_after_reboot(self, action: Action, rebooted: bool) -> Action:
+        """The action the node shows with the agent's taint for ``action`` on it and no finding
+        open any more: before the node reports a new boot id, and after."""
+        node = {"metadata": {"annotations": {TAINT_BOOT_ANNOTATION: "boot-a"}},
+                "spec": {"taints": [{"key": self.settings.taint_key, "value": action.value, "effect": NO_SCHEDULE}]},
+                "status": {"nodeInfo": {"bootID": "boot-b" if rebooted else "boot-a"}}}
+        return decide(Verdict.of((), 0.0), node, None, self.settings.taint_key).shown
 
     def code_action(self, code: str) -> Action | None:
         return FINDINGS[code].action
@@ -203,6 +212,14 @@ def _repeat(match: re.Match, text: Text, facts: Behaviour) -> Iterable[str]:
         yield "says a repeat after a reboot is replace_node; mlx5_repeat_seconds is 0 (never)"
 
 
+def _clears_after_reboot(match: re.Match, text: Text, facts: Behaviour) -> Iterable[str]:
+    for action in _needs_actions(text):
+        before, after = facts.shown_after_reboot(action, False), facts.shown_after_reboot(action, True)
+        if (before, after) != (action, Action.NONE):
+            yield (f"says the taint clears after the reboot once the checks pass; {action.value} with no finding "
+                   f"shows {before.value} before the reboot and {after.value} after it")
+
+
 def _policy_default(match: re.Match, text: Text, facts: Behaviour) -> Iterable[str]:
     code = match.group("code")
     if code not in POLICY_NUMBERS:
@@ -223,7 +240,8 @@ def _threshold(match: re.Match, text: Text, facts: Behaviour) -> Iterable[str]:
 CLAIMS = (
     Claim("NoSchedule, then NoExecute after the grace", re.compile(
         r"taint(?:s|ed)? the node NoSchedule and, after its grace"
-        r"(?: \((?:replace_noexecute_grace_seconds, )?(?P<grace>\d+) s by default\))?, NoExecute"), _evicts_after_grace),
+        r"(?: \((?:replace_noexecute_grace_seconds, )?(?P<grace>\d+) s by default\))?, NoExecute"),
+        _evicts_after_grace),
     Claim("the pods stay on the node", re.compile(
         r"(?:taint[\w ]*? is )?NoSchedule only|pods (?:already on the node )?keep running|"
         r"(?:running|job's) pods stay|with its job's pods on it"), _pods_stay),
@@ -239,6 +257,8 @@ CLAIMS = (
     Claim("findings that lead to the verdict", re.compile("|".join(map(re.escape, EXAMPLES))), _example),
     Claim("a repeat after a reboot escalates", re.compile(r"replace_node when it comes back after a reboot"),
           _repeat),
+    Claim("the taint clears after the reboot", re.compile(
+        r"the taint clears once the checks pass after the reboot"), _clears_after_reboot),
     Claim("the expression's own threshold", re.compile(r"more than (?P<seconds>\d+) s old"), _threshold),
     Claim("the expression is a policy default", re.compile(r"the policy's (?P<code>[A-Z_0-9]+) default"),
           _policy_default),
