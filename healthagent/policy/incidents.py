@@ -17,6 +17,11 @@ An XID whose GPU is unknown is a node-level incident: never dropped. When a new 
 open is its code's rule (``debounce.py``: at once by default; a count within a window, a grace
 after the boot); XIDs that do not open one are still counted in the metrics.
 
+An XID's PCI id that matches no GPU, and an SXid's NVSwitch PCI id, come from the log's text: they
+go through the shared bound on untrusted names (``healthagent/bounded_names.py``) before they name
+an incident or a count; past the bound they fold into one ``~other`` subject whose incident takes
+the most severe action of its members, like any other.
+
 An operator's clear closes the incident as it was when the operator cleared; XIDs that joined it
 after that (the loop learns of a clear only once the effects finish applying it) are reopened as
 a new incident (``reopen``), acted on again.
@@ -24,8 +29,10 @@ a new incident (``reopen``), acted on again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
+
+from healthagent.bounded_names import SXID_SWITCHES, XID_UNMATCHED_PCI, NameBound
 
 from healthagent.model import FALLEN_OFF_BUS_XID, Action, GpuSample, XidEvent, canonical_pci_bus_id
 from healthagent.policy.book import EVENT, Entry, FindingBook, Incident, IncidentMember, Where
@@ -73,12 +80,24 @@ class XidIncidents:
     # from ``owner`` at time t, of which ``joined`` were matched by another reporter's.
     recent: dict[str, dict[str, Any]] = field(default_factory=dict)
     paired: int = 0  # events not counted because another source already reported them
+    unmatched: NameBound = field(default_factory=lambda: NameBound("xid_pci", XID_UNMATCHED_PCI))
+    switches: NameBound = field(default_factory=lambda: NameBound("sxid_pci", SXID_SWITCHES))
 
     def arrange(self, events: Iterable[XidEvent], gpus: tuple[GpuSample, ...],
                 now: float) -> list[tuple[XidEvent, float, Where]]:
-        """The events with their time and GPU, oldest first (the order incidents must see them)."""
+        """The events with their time and GPU, oldest first (the order incidents must see them);
+        a PCI id no GPU has goes through its bound, in the event (its count) and the subject."""
         self._forget(now)
-        return sorted(((e, event_time(e, now), locate(e, gpus)) for e in events), key=lambda p: p[1])
+        arranged = []
+        for event in events:
+            where = locate(event, gpus)
+            if where.gpu_index is None and where.pci_bus_id:
+                bound = self.switches if event.kind == "sxid" else self.unmatched
+                pci = bound.admit(where.pci_bus_id)
+                if pci != where.pci_bus_id:
+                    where, event = Where(None, pci, where.uuid), replace(event, pci_bus_id=pci)
+            arranged.append((event, event_time(event, now), where))
+        return sorted(arranged, key=lambda p: p[1])
 
     def take(self, event: XidEvent, t: float, where: Where, book: FindingBook) -> int:
         """Join one event to its incident; returns how many of the reports it stands for were

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from healthagent.bounded_names import folded_totals
 from healthagent.model import (
     API_CONDITION_KINDS,
     EFA_NOT_COUNTERS,
@@ -192,6 +193,7 @@ def _other_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     yield from pipeline_families(snapshot, _family)
     yield from _source_families(snapshot)
     yield from _internal_error_families(snapshot)
+    yield from _folded_names_families()
 
 
 # In exposition order. The big parts (GPUs, EFA) change only when their source collects again.
@@ -212,6 +214,17 @@ SNAPSHOT_PARTS: tuple[SnapshotPart, ...] = (
     # Everything else is small and its timestamp changes every cycle: reused per snapshot only.
     SnapshotPart("other", lambda s: s, lambda s: _other_families(s), compare_equal=False),
 )
+
+
+def _folded_names_families() -> Iterator[Metric]:
+    """``names_folded_total`` from the shared bound's process-wide counts (``bounded_names``);
+    nothing until a name was folded."""
+    folded = folded_totals()
+    if folded:
+        family = _family("names_folded_total")
+        for source in sorted(folded):
+            family.add_metric([source], float(folded[source]))
+        yield family
 
 
 def _family(name: str) -> Metric:
