@@ -153,11 +153,6 @@ def not_kernel(prefix: re.Match[str]) -> str:
     return ""
 
 
-def from_kernel(prefix: re.Match[str]) -> bool:
-    """Whether a text line's prefix leaves it the kernel's (``not_kernel`` says why not)."""
-    return not not_kernel(prefix)
-
-
 def journal_json_kernel(line: str) -> tuple[str, float | None] | str:
     """A ``journalctl -o json`` line: (its message, its wall time or None) when the journal says
     the kernel wrote it, else why not (module docstring). Raises ValueError for a line that is not
