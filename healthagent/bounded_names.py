@@ -32,6 +32,11 @@ MLX5_ADAPTERS = 256
 XID_UNMATCHED_PCI = 64
 SXID_SWITCHES = 64
 RDMA_PORTS = 1024
+# XID and SXid numbers the catalog does not know and the operator did not map: each is "monitor"
+# (an SXid: its text's severity), so folding them changes no action.
+UNMAPPED_NUMBERS = 64
+# What a folded number becomes where a number is needed (an event's ``xid``); exported as OVERFLOW.
+FOLDED_NUMBER = -1
 
 _lock = threading.Lock()
 _folded: dict[str, int] = {}

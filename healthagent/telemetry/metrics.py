@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from healthagent.bounded_names import folded_totals
+from healthagent.bounded_names import FOLDED_NUMBER, OVERFLOW, folded_totals
 from healthagent.model import (
     API_CONDITION_KINDS,
     EFA_NOT_COUNTERS,
@@ -287,11 +287,12 @@ def _xid_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     xids: Counter = Counter()
     sxids: Counter = Counter()
     for count in snapshot.xid_counts:
+        number = OVERFLOW if count.xid == FOLDED_NUMBER else str(count.xid)  # (bounded_names)
         if count.kind == "sxid":
-            sxids[(count.pci_bus_id, str(count.xid))] += count.count
+            sxids[(count.pci_bus_id, number)] += count.count
         else:  # "xid" and "fallen_off_bus" (counted under its XID number): never drop a fault
             gpu = "" if count.gpu_index is None else str(count.gpu_index)
-            xids[(gpu, count.uuid, str(count.xid))] += count.count
+            xids[(gpu, count.uuid, number)] += count.count
     yield _counter_family("xid_errors_total", xids)
     yield _counter_family("sxid_errors_total", sxids)
 

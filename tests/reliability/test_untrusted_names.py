@@ -141,3 +141,25 @@ def test_the_bound_keeps_the_first_names_and_folds_the_rest():
                                                                              OVERFLOW]
     assert folded_totals()["test_source"] == before + 2
     assert keep_first(range(5), 3) == ([0, 1, 2], [3, 4])
+
+
+def test_xid_numbers_no_catalog_names_fold_and_a_known_one_after_them_still_acts():
+    """A log inventing 500 XID numbers: the unmapped ones past the bound are one ``~other`` series
+    (monitor, as each was), while the catalog's XID 94 after them keeps its number and its action."""
+    from healthagent.bounded_names import UNMAPPED_NUMBERS
+    from healthagent.model import AgentSnapshot, XidCount
+    from healthagent.telemetry.metrics import render_snapshot
+
+    classifier = build_classifier(load_settings(env={}, flags={}))
+    now = 1_800_000_000.0
+    invented = [XidEvent(xid=100_000 + n, pci_bus_id="0000:a8:00.0", message="", line="", timestamp=now,
+                         source="kmsg") for n in range(500)]
+    real = XidEvent(xid=94, pci_bus_id="0000:a8:00.0", message="", line="", timestamp=now, source="kmsg")
+    assessment = classifier.observe(Collection(timestamp=now, xids=tuple(invented) + (real,)))
+    numbers = {x.xid for x in assessment.counted_xids}
+    assert len(numbers) == UNMAPPED_NUMBERS + 2 and 94 in numbers
+    assert assessment.verdict.action is Action.REPLACE_NODE
+    counts = tuple(XidCount(xid=x.xid, count=1, pci_bus_id=x.pci_bus_id) for x in assessment.counted_xids)
+    [family] = [f for f in render_snapshot(AgentSnapshot(timestamp=now, xid_counts=counts)) if f.name == "healthagent_xid_errors"]
+    labels = {s.labels["xid"] for s in family.samples if s.name.endswith("_total")}
+    assert len(labels) == UNMAPPED_NUMBERS + 2 and {"94", OVERFLOW} <= labels
