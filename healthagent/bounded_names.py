@@ -31,7 +31,7 @@ OVERFLOW = "~other"
 MLX5_ADAPTERS = 256
 XID_UNMATCHED_PCI = 64
 SXID_SWITCHES = 64
-RDMA_PORTS = 1024
+RDMA_PORTS = 256
 # XID and SXid numbers the catalog does not know and the operator did not map: each is "monitor"
 # (an SXid: its text's severity), so folding them changes no action.
 UNMAPPED_NUMBERS = 64
