@@ -17,12 +17,12 @@ An XID whose GPU is unknown is a node-level incident: never dropped. When a new 
 open is its code's rule (``debounce.py``: at once by default; a count within a window, a grace
 after the boot); XIDs that do not open one are still counted in the metrics.
 
-An XID's PCI id that matches no GPU, and an SXid's NVSwitch PCI id, come from the log's text: they
-go through the shared bound on untrusted names (``healthagent/bounded_names.py``) before they name
-an incident or a count; past the bound they fold into one ``~other`` subject whose incident takes
-the most severe action of its members, like any other. So do XID and SXid numbers the catalog does
-not know and the policy does not map (their action does not depend on the number): past the
-bound they are ``FOLDED_NUMBER``, exported as ``~other``.
+An XID's PCI id (or GPU UUID) that matches no GPU, and an SXid's NVSwitch PCI id, come from the
+log's text: they go through the shared bound on untrusted names (``healthagent/bounded_names.py``)
+before they name an incident or a count; past the bound they fold into one ``~other`` subject
+whose incident takes the most severe action of its members, like any other. So do XID and SXid
+numbers the catalog does not know and the policy does not map (their action does not depend on
+the number): past the bound they are ``FOLDED_NUMBER``, exported as ``~other``.
 
 An operator's clear closes the incident as it was when the operator cleared; XIDs that joined it
 after that (the loop learns of a clear only once the effects finish applying it) are reopened as
@@ -100,6 +100,8 @@ class XidIncidents:
                 pci = bound.admit(where.pci_bus_id)
                 if pci != where.pci_bus_id:
                     where, event = Where(None, pci, where.uuid), replace(event, pci_bus_id=pci)
+            if where.gpu_index is None and event.uuid and self.unmatched.admit(f"uuid/{event.uuid}") == OVERFLOW:
+                where, event = Where(None, where.pci_bus_id, OVERFLOW), replace(event, uuid=OVERFLOW)
             arranged.append((self._bounded_number(event), event_time(event, now), where))
         return sorted(arranged, key=lambda p: p[1])
 

@@ -163,3 +163,16 @@ def test_xid_numbers_no_catalog_names_fold_and_a_known_one_after_them_still_acts
     [family] = [f for f in render_snapshot(AgentSnapshot(timestamp=now, xid_counts=counts)) if f.name == "healthagent_xid_errors"]
     labels = {s.labels["xid"] for s in family.samples if s.name.endswith("_total")}
     assert len(labels) == UNMAPPED_NUMBERS + 2 and {"94", OVERFLOW} <= labels
+
+
+def test_gpu_uuids_no_gpu_has_fold_too():
+    """A fallen-off-the-bus line names its GPU's UUID: made-up UUIDs of GPUs NVML does not list are
+    label values too (``xid_errors_total{uuid}``), bounded with the unmatched PCI ids."""
+    classifier = build_classifier(load_settings(env={}, flags={}))
+    now = 1_800_000_000.0
+    uuids = [f"GPU-{n:08x}-0000-0000-0000-000000000000" for n in range(XID_UNMATCHED_PCI + 40)]
+    xids = tuple(XidEvent(xid=79, pci_bus_id="", uuid=uuid, message="", line="", timestamp=now, source="kmsg",
+                          kind="fallen_off_bus") for uuid in uuids)
+    assessment = classifier.observe(Collection(timestamp=now, xids=xids))
+    assert len({x.uuid for x in assessment.counted_xids}) == XID_UNMATCHED_PCI + 1
+    assert assessment.verdict.action is Action.REBOOT_NODE  # XID 79's, folded or not
