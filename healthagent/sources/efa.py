@@ -45,7 +45,7 @@ import os
 from dataclasses import dataclass
 
 from healthagent.common import ErrorTally
-from healthagent.model import EFA_NOT_COUNTERS, EfaSample, SourceHealth, canonical_pci_bus_id
+from healthagent.model import EFA_NOT_COUNTERS, EfaSample, SourceHealth, canonical_pci_bus_id, natural_key
 from healthagent.sources.base import SourceResult
 from healthagent.sources.sysfs_files import HeldFiles
 from healthagent.sources.sysfs_paths import FaultHook
@@ -128,7 +128,7 @@ class EfaSource:
         devices = len({s.device for s in samples})
         if scan.unobserved:
             detail = blind_detail(f"{devices} EFA devices read", scan.unobserved, "not missing")
-            return self._result(False, detail, samples, tuple(scan.unobserved))
+            return self._result(False, detail, samples, tuple(sorted(scan.unobserved, key=natural_key)))
         if devices == 0:
             return self._result(True, "no EFA devices", ())
         return self._result(True, f"{devices} EFA devices", samples)
@@ -180,8 +180,9 @@ class EfaSource:
         """
         reader, held = self.reader, layout is not None
         if layout is None:
-            counters = reader.listing(device.path, os.path.join(device.path, "hw_counters"), reading)
-            ports = tuple(_Port(n, path, reader.listing(device.path, os.path.join(path, "hw_counters"), reading))
+            counters = reader.listing(device.path, os.path.join(device.path, "hw_counters"), reading, EFA_NOT_COUNTERS)
+            ports = tuple(_Port(n, path, reader.listing(device.path, os.path.join(path, "hw_counters"), reading,
+                                                        EFA_NOT_COUNTERS))
                           for n, path in reader.ports(device.path, reading))
             layout = _Layout(counters, ports)
         reader.spend_ports(len(layout.ports), reading)
@@ -199,5 +200,5 @@ class EfaSource:
         return layout
 
     def _counters(self, device: _EfaDevice, files: Files, held: bool, reading: Reading) -> dict[str, int]:
-        return self.reader.counters(device.path, files, held, reading, NO_WIDTHS, EFA_NOT_COUNTERS)
+        return self.reader.counters(device.path, files, held, reading, NO_WIDTHS)
 

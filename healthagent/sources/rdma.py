@@ -86,6 +86,12 @@ class _Layout:
     device_hw: Files
     ports: tuple[_PortFiles, ...]
 
+    @property
+    def complete(self) -> bool:
+        """Every port's counter directories listed: only such a listing is trusted (held), so a
+        port that could not be listed is listed again each collection."""
+        return all(port.pma is not None and port.hw is not None for port in self.ports)
+
 
 def parse_rate(text: str) -> float | None:
     """``"400 Gb/sec (4X NDR)"`` -> 400.0, ``"2.5 Gb/sec (1X SDR)"`` -> 2.5; None otherwise."""
@@ -163,12 +169,13 @@ class RdmaSource:
         for number, path in reader.ports(device.path, reading):
             try:
                 pma = tuple(f for d in PMA_DIRS for f in reader.listing(device.path, os.path.join(path, d), reading))
-                hw = reader.listing(device.path, os.path.join(path, HW_DIR), reading)
+                hw = reader.listing(device.path, os.path.join(path, HW_DIR), reading, NOT_COUNTERS)
             except Unobserved as exc:
                 ports.append(_PortFiles(number, path, "", None, None, exc.reason))
                 continue
             ports.append(_PortFiles(number, path, reader.text(os.path.join(path, "link_layer")), pma, hw))
-        return _Layout(reader.listing(device.path, os.path.join(device.path, HW_DIR), reading), tuple(ports))
+        return _Layout(reader.listing(device.path, os.path.join(device.path, HW_DIR), reading, NOT_COUNTERS),
+                       tuple(ports))
 
     def _netdevs(self, device: _Device) -> dict[int, str]:
         """Port number -> network interface (``device/net/*``; by ``dev_port`` when several)."""
@@ -232,4 +239,4 @@ class RdmaSource:
 
     def _counters(self, device: _Device, files: Files, held: bool, reading: Reading,
                   widths: dict[str, int]) -> dict[str, int]:
-        return self.reader.counters(device.path, files, held, reading, widths, NOT_COUNTERS)
+        return self.reader.counters(device.path, files, held, reading, widths)

@@ -44,9 +44,9 @@ from typing import Any, Callable, Generic, TypeVar
 from healthagent.common import ErrorTally
 from healthagent.model import natural_key
 from healthagent.sources.base import host_path
-from healthagent.sources.sysfs_files import HeldFiles, read_once
+from healthagent.sources.sysfs_files import HeldFiles, parse_counter, read_once
 from healthagent.sources.sysfs_paths import FaultHook, device_identity, errno_text, resolve_in_root
-from healthagent.sources.sysfs_values import counter_value, counter_width, kernel_state, no_counter
+from healthagent.sources.sysfs_values import U64, kernel_state, no_counter
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class ClassReader(Generic[Device]):
                 entry.trusted = entry.seen = None
         reading = Reading(name)
         layout = self._counted(reading, read, entry.device, None)
-        entry.trusted = layout if layout == entry.seen else None
+        entry.trusted = layout if layout == entry.seen and getattr(layout, "complete", True) else None
         entry.seen = layout
         return reading
 
@@ -360,9 +360,12 @@ class ClassReader(Generic[Device]):
         if not is_dir:
             raise Unobserved("its directory is not a directory now")
 
-    def listing(self, device_path: str, directory: str, reading: Reading) -> Files:
-        """A counter directory's files, sorted and capped; () when it does not exist (this driver
-        keeps no counters there); ``Unobserved`` when it cannot be listed."""
+    def listing(self, device_path: str, directory: str, reading: Reading,
+                skip: frozenset[str] = frozenset()) -> Files:
+        """A counter directory's counter files, sorted and capped (``skip``: files that are no
+        counter, such as ``lifespan``; a name no counter has is counted as ``parse``); () when it
+        does not exist (this driver keeps no counters there); ``Unobserved`` when it cannot be
+        listed."""
         try:
             names = sorted(e.name for e in self.list_dir(directory))
         except FileNotFoundError:
@@ -374,7 +377,14 @@ class ClassReader(Generic[Device]):
         if len(names) > MAX_COUNTER_FILES:
             reading.count(TOO_MANY, f"device={reading.name} path={directory} files={len(names)} "
                                     f"read={MAX_COUNTER_FILES}")
-        return tuple((name, os.path.join(directory, name)) for name in names[:MAX_COUNTER_FILES])
+        files = []
+        for name in names[:MAX_COUNTER_FILES]:
+            path = os.path.join(directory, name)
+            if not _COUNTER_NAME.match(name):
+                reading.count("parse", f"device={reading.name} file={path!r} is not a counter name")
+            elif name not in skip:
+                files.append((name, path))
+        return tuple(files)
 
     def ports(self, device_path: str, reading: Reading) -> tuple[tuple[int, str], ...]:
         """The device's numbered port directories; () when it has none. ``Unobserved`` when they
@@ -438,36 +448,36 @@ class ClassReader(Generic[Device]):
         return "" if raw is None else raw.decode("ascii", "replace").strip()
 
     def counters(self, device_path: str, files: Files, held: bool, reading: Reading,
-                 widths: dict[str, int], skip: frozenset[str] = frozenset()) -> dict[str, int]:
-        """The counters of ``files`` by name, each within its width (``widths``, u64 when not
-        named). A counter that cannot be read or understood is absent and counted; ``Unobserved``
-        when not one of them could be read (EIO, EACCES, EISDIR... from every file)."""
+                 widths: dict[str, int]) -> dict[str, int]:
+        """The counters of ``files`` (a ``listing``) by name, each within its width (``widths``, u64
+        when not named). A counter that cannot be read or understood is absent and counted;
+        ``Unobserved`` when not one of them could be read (EIO, EACCES, EISDIR... from every file).
+        The hot path of every collection: ``existing`` and ``read_small`` inlined."""
         values: dict[str, int] = {}
         failed: list[str] = []
-        attempted = 0
+        fault, limit, held_files = self.fault, self.read_limit, self.files
         for name, path in files:
-            if name in skip:
-                continue
-            if not _COUNTER_NAME.match(name):
-                reading.count("parse", f"device={reading.name} file={path!r} is not a counter name")
-                continue
-            attempted += 1
             try:
-                raw = self.existing(device_path, path, held)
+                if fault is not None:
+                    fault(path)
+                raw = held_files.read(path, limit) if held else read_once(path, limit)
+            except FileNotFoundError:
+                if held:
+                    raise Stale(path) from None
+                self.present(device_path)
+                reading.count("unreadable", f"device={reading.name} file={path} vanished")
+                continue
             except OSError as exc:
                 reading.count("unreadable", f"device={reading.name} file={path} error={errno_text(exc)}")
                 failed.append(errno_text(exc))
                 continue
-            if raw is None:
-                reading.count("unreadable", f"device={reading.name} file={path} vanished")
-                continue
-            bits = counter_width(name, widths)
-            value = counter_value(raw, bits)
-            if value is not None:
+            bits = widths.get(name, U64)
+            value = parse_counter(raw)
+            if value is not None and not value >> bits:  # within its width
                 values[name] = value
-            elif not no_counter(raw):
+            elif not no_counter(raw):  # garbage, or past the width: the kernel cannot print it
                 reading.count("parse", f"device={reading.name} file={path} value={raw[:32]!r} (a {bits}-bit counter)")
-        if failed and len(failed) == attempted:
+        if failed and len(failed) == len(files):
             raise Unobserved(f"{failed[0]} reading every counter in {os.path.basename(os.path.dirname(files[0][1]))}")
         return values
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import re
 
-from healthagent.sources.sysfs_files import parse_counter
-
 # enum ib_port_state, with state_show's words.
 PORT_STATES: dict[int, str] = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 # phys_state_to_str's table (IB PortPhysicalState).
@@ -42,7 +40,7 @@ PMA_WIDTHS: dict[str, int] = {
     "port_xmit_constraint_errors": 8, "port_rcv_constraint_errors": 8, "local_link_integrity_errors": 4,
     "excessive_buffer_overrun_errors": 4, "VL15_dropped": 16, "port_xmit_wait": 32,
 }
-U64 = 64
+U64 = 64  # a counter's width when ``PMA_WIDTHS`` does not name it: a value past it is garbage
 NO_WIDTHS: dict[str, int] = {}  # every counter u64 (EFA hw_counters)
 
 _STATE = re.compile(r"^\s*(\d{1,3})\s*:\s*(\S.*?)\s*$")
@@ -62,19 +60,6 @@ def kernel_state(raw: bytes, table: dict[int, str]) -> tuple[int, str] | None:
     if parsed is None or table.get(parsed[0]) != parsed[1]:
         return None
     return parsed
-
-
-def counter_width(name: str, widths: dict[str, int]) -> int:
-    return widths.get(name, U64)
-
-
-def counter_value(raw: bytes, bits: int = U64) -> int | None:
-    """A counter file's value when it fits the counter's width; None for text that is no count or
-    a count past the width (garbage: the kernel cannot print it)."""
-    value = parse_counter(raw)
-    if value is None or value >= 1 << bits:
-        return None
-    return value
 
 
 def no_counter(raw: bytes) -> bool:

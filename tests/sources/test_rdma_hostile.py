@@ -91,6 +91,22 @@ def test_a_device_whose_ports_cannot_be_listed_is_unobserved_never_missing(tmp_p
     assert len(node.result.rdma) == 9  # every other port still read
 
 
+def test_a_port_whose_counters_cannot_be_listed_is_unobserved_until_repaired(tmp_path):
+    node = Node(tmp_path)
+    counters = node.tree.port_dir(VICTIM) / "counters"
+    saved = tmp_path / "saved-counters"
+    counters.rename(saved)
+    counters.write_text("not a directory\n")
+    node.source = RdmaSource(str(tmp_path))  # lists the port afresh
+    verdict = node.read(6)
+    assert verdict.findings == () and node.result.health.unobserved == (f"{VICTIM}/1",)
+    assert "ENOTDIR" in node.result.health.detail
+    counters.unlink()
+    saved.rename(counters)
+    node.read()
+    assert node.result.health.up and len(node.result.rdma) == 10  # listed again, never trusted while blind
+
+
 def test_a_device_positively_gone_is_still_missing(tmp_path):
     node = Node(tmp_path)
     node.tree.remove_device(VICTIM)
