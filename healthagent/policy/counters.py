@@ -135,7 +135,8 @@ class CounterSeries:
     @classmethod
     def from_dict(cls, d: dict) -> "CounterSeries":
         points = [(float(t), float(v)) for t, v in d.get("points", [])][-MAX_POINTS:]
-        basis = tuple(str(name) for name in d.get("basis", ())[:16])
+        basis = d.get("basis")
+        basis = tuple(str(name) for name in basis[:16]) if isinstance(basis, list) else ()
         return cls(points=sorted(points), resets=int(d.get("resets", 0)), basis=basis)
 
 
