@@ -24,7 +24,7 @@ from healthagent.policy.rules_efa import ADMIN_QUEUE, EfaRules, EfaTrack
 from healthagent.policy.settings import Policy
 from healthagent.sources.efa import EfaSource
 from healthagent.sources.rdma import RdmaSource
-from healthagent.sources.sysfs_reader import MAX_DEVICES, MAX_PORTS
+from healthagent.sources.sysfs_reader import MAX_DEVICES, MAX_PORTS, TOO_MANY
 from healthagent.telemetry.metrics import Telemetry
 from tests.support.rdma_tree import ACTIVE, LINK_UP, build_rdma_tree
 
@@ -230,3 +230,18 @@ def test_ten_thousand_ports_stay_bounded_in_readings_and_series(tmp_path):
     series = [line for line in body.splitlines() if line and not line.startswith("#")]
     assert sum(line.startswith("healthagent_infiniband_port_up{") for line in series) == len(node.result.rdma)
     assert len(series) < 5_000 and len(body) < 1_000_000
+
+
+def test_efa_devices_past_the_bound_are_unobserved_never_missing(tmp_path):
+    """The EFA source reads through the same layer: 100 devices (a p5 has 32) are read as
+    MAX_PORTS, the rest named unobserved and counted, so none is taken for missing."""
+    pci_ids = [f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x10 + 100)]
+    write_efa_devices(tmp_path, pci_ids)
+    result = EfaSource(str(tmp_path)).collect(T0)
+    assert len(result.efa) == MAX_PORTS and result.health.up is False
+    assert len(result.health.unobserved) == 100 - MAX_PORTS
+    assert result.health.errors[TOO_MANY] == 100 - MAX_DEVICES + (MAX_DEVICES - MAX_PORTS)
+    classifier = Classifier(Policy(), load_catalog(Policy()))
+    verdict = classifier.observe(Collection(timestamp=T0, efa=result.efa, health=(result.health,),
+                                            expected_efa_devices=32)).verdict
+    assert verdict.findings == () and "efa" in verdict.unobserved
