@@ -71,7 +71,7 @@ class _EfaDevice:
 class _Port:
     number: int
     path: str
-    counters: Files | None
+    counters: Files
 
 
 @dataclass(frozen=True)
@@ -180,16 +180,17 @@ class EfaSource:
         """
         reader, held = self.reader, layout is not None
         if layout is None:
-            counters = reader.listing(device.path, os.path.join(device.path, "hw_counters"), reading, EFA_NOT_COUNTERS)
-            ports = tuple(_Port(n, path, reader.listing(device.path, os.path.join(path, "hw_counters"), reading,
-                                                        EFA_NOT_COUNTERS))
-                          for n, path in reader.ports(device.path, reading))
-            layout = _Layout(counters, ports)
+            def counter_files(directory: str) -> Files:
+                return reader.listing(device.path, os.path.join(directory, "hw_counters"), reading, EFA_NOT_COUNTERS)
+
+            counters = counter_files(device.path)
+            layout = _Layout(counters, tuple(_Port(n, path, counter_files(path))
+                                             for n, path in reader.ports(device.path, reading)))
         reader.spend_ports(len(layout.ports), reading)
         device_counters = self._counters(device, layout.counters, held, reading)
         for port in layout.ports:
             # Old drivers list every counter in both places: one value per name, never a sum.
-            counters = {**device_counters, **self._counters(device, port.counters or (), held, reading)}
+            counters = {**device_counters, **self._counters(device, port.counters, held, reading)}
             reading.items.append(EfaSample(
                 device=device.name, port=port.number, counters=counters, pci_bus_id=device.pci_bus_id,
                 port_state=reader.port_text(device.path, os.path.join(port.path, "state"), held, reading),
