@@ -48,7 +48,7 @@ from healthagent.effects.budget import (
     slot_name,
 )
 from healthagent.effects.budget_leases import LeaseStore
-from healthagent.effects.budget_reclaim import Reclaimer
+from healthagent.effects.budget_reclaim import Evidence, Reclaimer
 from healthagent.effects.node_desired import carries_no_execute, owned_taints
 from healthagent.effects.plan import Budget
 
@@ -60,17 +60,18 @@ TAKE_ATTEMPTS = 4  # writes for a slot per question; each 409 means another node
 class BudgetGuard:
     """May this node take its disruptive step (does it hold a slot), and the slot's upkeep."""
 
-    def __init__(self, leases: LeaseStore | None, *, node_name: str, taint_key: str, selector: str,
+    def __init__(self, leases: LeaseStore | None, *, node_name: str, evidence: Evidence, selector: str,
                  max_fraction: float, max_nodes: int | None, recheck_seconds: float, tally: ErrorTally,
                  rng: random.Random, scope_label: str = "", grace_seconds: float = 120.0) -> None:
         """``leases`` None: dry-run (no cluster view). ``scope_label``: count the budget per value
         of this node label (``Scope``; its value is read from the node at ``startup``).
         ``grace_seconds``: the grace before a disruptive step, which a holder may not pass
-        without taking it (``effects/budget_reclaim.py``)."""
+        without taking it, and ``evidence`` what shows that step (``effects/budget_reclaim.py``)."""
         self._store = leases
         self.scope = Scope(scope_label)
         self._node = node_name
-        self._taint_key = taint_key
+        self.evidence = evidence
+        self._taint_key = evidence.taint_key
         self._selector = selector
         self._fraction = max_fraction
         self._max_nodes = max_nodes
@@ -84,7 +85,7 @@ class BudgetGuard:
         self._count_due = False  # the shared count is old: re-count after this reconcile
         self._renew_due = False  # a slot taken (or its re-write failed): re-write it once the node write lands
         self._upkeep_at: float | None = None  # a failed release/re-write/count: not before this
-        self._reclaim = Reclaimer(node_name, taint_key, grace_seconds, rng)
+        self._reclaim = Reclaimer(node_name, evidence, grace_seconds, rng)
         self._verified: tuple[int, float] | None = None  # (GPU nodes, when): this agent's own count
         self._last_view: BudgetView | None = None
         self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
@@ -285,7 +286,7 @@ class BudgetGuard:
                                                                              store.namespace, "slot", self.scope)
                 body = held_lease(base, self._node, self._wall(now), acquired=True)
             else:
-                reclaim = None if judged else self._reclaim.pick(view, now, store.node)
+                reclaim = None if judged else self._reclaim.pick(view, now, store.node, self.scope)
                 judged = True
                 if reclaim is None:
                     self.note = view.describe()

@@ -51,6 +51,7 @@ from healthagent.effects.backend import (
 )
 from healthagent.effects.budget_guard import BudgetGuard
 from healthagent.effects.budget_leases import LeaseStore, agent_namespace
+from healthagent.effects.budget_reclaim import Evidence
 from healthagent.effects.conditions import identify, vocabulary
 from healthagent.effects.events import EVENTS_NAMESPACE, EventLedger, EventSpec, event_body
 from healthagent.effects.node_desired import NO_EXECUTE, carries_no_execute, owned_taints, owned_view
@@ -136,7 +137,7 @@ class NodeEffects:
         self._vocabulary = vocabulary(settings.condition_vocabulary)
         leases = None if self.dry_run else LeaseStore(self.backend, agent_namespace(settings.budget_namespace))
         self.budget = BudgetGuard(
-            leases, node_name=self.node_name, taint_key=settings.taint_key,
+            leases, node_name=self.node_name, evidence=Evidence.of(settings),
             selector=settings.budget_node_selector, max_fraction=settings.budget_max_fraction,
             max_nodes=settings.budget_max_nodes, recheck_seconds=budget_recheck_seconds, tally=self._tally,
             rng=rng, scope_label=settings.budget_scope_label, grace_seconds=settings.replace_noexecute_grace_seconds)
@@ -494,6 +495,6 @@ class NodeEffects:
             writes=dict(self.writer.writes), pending_writes=self._pending + len(self.ledger.outbox),
             clear_pending=self.pending_clear() or self.record.clear_to_write,
             watching=self.watching, api_errors=self.api_errors, **self.budget.figures(),
-            **vars(node_side(node, self.settings.taint_key)),
+            **vars(node_side(node, self.budget.evidence)),
             conditions_owned_elsewhere=sum(not w.released for w in self.record.foreign))
 
