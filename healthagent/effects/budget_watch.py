@@ -33,7 +33,7 @@ import time
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
-from healthagent.effects.backend import ApiError, ApiRejected, classify_status, jittered_backoff
+from healthagent.effects.backend import ApiError, ApiRejected, jittered_backoff
 from healthagent.effects.budget import Scope, slot_index
 from healthagent.effects.node_watch import (
     BACKOFF_SECONDS,
@@ -42,7 +42,8 @@ from healthagent.effects.node_watch import (
     STOP_JOIN_SECONDS,
     WATCH_TIMEOUT_SECONDS,
     BadEvent,
-    parse_event,
+    read_events,
+    status_error,
 )
 
 log = logging.getLogger(__name__)
@@ -134,14 +135,8 @@ class SlotWatch:
             self._stream = stream
         opened, events = time.monotonic(), 0
         try:
-            if stopping.is_set():
-                return True
-            for line in stream.lines():
-                if stopping.is_set():
-                    return True
-                if line.strip():
-                    self._handle(*parse_event(line))
-                    events += 1
+            if not stopping.is_set():
+                events = read_events(stream, stopping, self._handle)
         finally:
             with self._lock:
                 self._stream = None
@@ -150,9 +145,7 @@ class SlotWatch:
 
     def _handle(self, kind: str, lease: dict) -> None:
         if kind == "ERROR":  # the object is a Status
-            code = lease.get("code")
-            raise classify_status(code if isinstance(code, int) else 0, str(lease.get("reason") or ""),
-                                  str(lease.get("message") or ""))
+            raise status_error(lease)
         if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
             raise BadEvent(f"unknown watch event type {kind!r}")
         name = str(lease["metadata"].get("name") or "") if kind != "BOOKMARK" else ""
