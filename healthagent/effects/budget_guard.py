@@ -74,6 +74,7 @@ class BudgetGuard:
         ``wake``: called from the budget's watch thread when a slot frees while the node is held."""
         self._store = leases
         self.scope = Scope(scope_label)
+        self._scope_read = False  # the node's value of the scope label is read (startup, else ask)
         self._node = node_name
         self.evidence = evidence
         self._taint_key = evidence.taint_key
@@ -119,9 +120,7 @@ class BudgetGuard:
         looks again."""
         if self._store is None:
             return
-        if self.scope.label:
-            labels = (node.get("metadata") or {}).get("labels") or {}
-            self.scope = Scope(self.scope.label, str(labels.get(self.scope.label) or ""))
+        self.scope, self._scope_read = self.scope.of(node), True
         try:
             view = self._look(now)
             held = view.held_by(self._node)
@@ -138,10 +137,13 @@ class BudgetGuard:
             return
         self.settle(node, now, wants_slot=bool(owned_taints(node, self._taint_key)))
 
-    def ask(self, now: float) -> Budget:
-        """ALLOWS or HOLDS for the node's disruptive step; ALLOWS means this node holds a slot."""
+    def ask(self, now: float, node: dict | None = None) -> Budget:
+        """ALLOWS or HOLDS for the node's disruptive step; ALLOWS means this node holds a slot.
+        ``node``: its pool is read there when ``startup`` could not read the node."""
         if self._store is None:
             return Budget.ALLOWS
+        if node is not None and not self._scope_read:
+            self.scope, self._scope_read = self.scope.of(node), True
         if self._memo is not None:
             return self._memo
         if self.slot is not None:

@@ -326,7 +326,7 @@ class NodeEffects:
         if self.budget.holds_slot:
             return Budget.ALLOWS
         if asks_budget(self.record, self._verdict, node, self._plan_settings):
-            return self.budget.ask(now)
+            return self.budget.ask(now, node)
         return Budget.UNASKED
 
     def _step(self, node: dict, now: float, confirm: bool = True) -> Step:

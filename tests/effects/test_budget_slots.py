@@ -469,3 +469,16 @@ def held_by_in(fake, node):
     """The slots (of any pool) held in ``node``'s name."""
     return [lease["metadata"]["name"] for lease in fake.leases(NAMESPACE)
             if "-slot-" in lease["metadata"]["name"] and (lease.get("spec") or {}).get("holderIdentity") == node]
+
+
+def test_a_node_whose_start_up_could_not_read_it_counts_in_its_own_pool(tmp_path, fake):
+    """The API server did not answer at start, so the agent never read its pool label there: its
+    first question reads it from the node it steps against, and takes pool a's slot, not the slot
+    of the nodes without the label."""
+    fake.seed_nodes(10, prefix="a-", labels={"nvidia.com/gpu.present": "true", POOL: "a"})
+    agent = start_effects(settings_for(tmp_path, "a-0", budget_scope_label=POOL), fake)
+    fake.fail_next(1, 503)
+    agent.startup(T0 - 1, "boot-1")
+    assert agent.api_errors.get("unavailable") == 1
+    assert not agent.reconcile(XID95, T0, "boot-1").budget_blocked
+    assert held_by_in(fake, "a-0") == [slot_name(0, Scope(POOL, "a"))]
