@@ -220,7 +220,7 @@ class BudgetGuard:
             return False
         keep = wants_slot and bool(owned_taints(node, self._taint_key))
         if not keep:
-            self.close()  # no slot to wait for
+            self._watch.stop(0.0)  # no slot to wait for
         renew = keep and self._renew_due and self.slot is not None
         release = not keep and self.slot is not None
         if not (renew or release or self._count_due) or (self._upkeep_at is not None and now < self._upkeep_at):
@@ -383,7 +383,7 @@ class BudgetGuard:
     def _answer(self, slot: Slot | None, now: float) -> Budget:
         if slot is not None:
             self.slot, self._holds, self.recheck_at = slot, 0, None
-            self.close()
+            self._watch.stop(0.0)
             return Budget.ALLOWS
         self._watch.follow(self.scope)  # held: hear of a slot coming free
         self._holds += 1

@@ -91,7 +91,9 @@ class SlotWatch:
         self._thread.start()
 
     def stop(self, timeout: float = STOP_JOIN_SECONDS) -> None:
-        """End the watch (the node holds a slot, needs none, or the agent stops)."""
+        """End the watch (the node holds a slot, needs none, or the agent stops), waiting at most
+        ``timeout`` for the thread (0 on the effects' path: a read that no interrupt reaches ends
+        with its request, and the thread with it)."""
         thread = self._thread
         if thread is None:
             return
