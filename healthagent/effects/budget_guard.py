@@ -66,12 +66,13 @@ class BudgetGuard:
     def __init__(self, leases: LeaseStore | None, *, node_name: str, evidence: Evidence, selector: str,
                  max_fraction: float, max_nodes: int | None, recheck_seconds: float, tally: ErrorTally,
                  rng: random.Random, scope_label: str = "", grace_seconds: float = 120.0,
-                 wake: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None, watch: bool = True) -> None:
         """``leases`` None: dry-run (no cluster view). ``scope_label``: count the budget per value
         of this node label (``Scope``; its value is read from the node at ``startup``).
         ``grace_seconds``: the grace before a disruptive step, which a holder may not pass
         without taking it, and ``evidence`` what shows that step (``effects/budget_reclaim.py``).
-        ``wake``: called from the budget's watch thread when a slot frees while the node is held."""
+        ``wake``: called from the budget's watch thread when a slot frees while the node is held
+        (``watch=False``: no watch, the timed looks only)."""
         self._store = leases
         self.scope = Scope(scope_label)
         self._scope_read = False  # the node's value of the scope label is read (startup, else ask)
@@ -92,7 +93,8 @@ class BudgetGuard:
         self._renew_due = False  # a slot taken (or its re-write failed): re-write it once the node write lands
         self._upkeep_at: float | None = None  # a failed release/re-write/count: not before this
         self._reclaim = Reclaimer(node_name, evidence, grace_seconds, rng)
-        self._watch = SlotWatch(leases, node_name=node_name, tally=tally, rng=random.Random(), on_freed=wake)
+        self._watch = SlotWatch(leases if watch else None, node_name=node_name, tally=tally, rng=random.Random(),
+                                on_freed=wake)
         self._verified: tuple[int, float] | None = None  # (GPU nodes, when): this agent's own count
         self._last_view: BudgetView | None = None
         self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall

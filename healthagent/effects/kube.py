@@ -109,8 +109,8 @@ class NodeEffects:
     ) -> None:
         """``on_change`` (also settable later, by the loop's effects worker) is called from a watch
         thread when a reconcile must look (the node changed, a budget slot freed); it must only
-        wake the caller. ``watch=False`` keeps the read-on-a-timer behaviour (tests that drive
-        time through ``now`` and count every request use it)."""
+        wake the caller. ``watch=False`` keeps the read-on-a-timer behaviour of both watches (tests
+        that drive time through ``now`` and count every request use it)."""
         self.settings = settings
         if not settings.node_name:  # in a pod the hostname is the pod's name: never guess the node
             raise ValueError("NodeEffects acts on one node: settings.node_name must name it")
@@ -137,7 +137,7 @@ class NodeEffects:
         self._vocabulary = vocabulary(settings.condition_vocabulary)
         leases = None if self.dry_run else LeaseStore(self.backend, agent_namespace(settings.budget_namespace))
         self.budget = BudgetGuard(
-            leases, node_name=self.node_name, evidence=Evidence.of(settings), wake=self._changed,
+            leases, node_name=self.node_name, evidence=Evidence.of(settings), wake=self._changed, watch=watch,
             selector=settings.budget_node_selector, max_fraction=settings.budget_max_fraction,
             max_nodes=settings.budget_max_nodes, recheck_seconds=budget_recheck_seconds, tally=self._tally,
             rng=rng, scope_label=settings.budget_scope_label, grace_seconds=settings.replace_noexecute_grace_seconds)

@@ -105,7 +105,7 @@ def test_the_watch_runs_only_while_the_node_is_held(tmp_path, fake):
     fake.seed_nodes(20)
     for index, peer in enumerate(("gpu-node-5", "gpu-node-6")):
         peer_holds(fake, index, peer)
-    effects = start_effects(settings_for(tmp_path, NODE), fake)
+    effects = start_effects(settings_for(tmp_path, NODE), fake, watch=True)
     effects.startup(T0 - 1, "boot-1")
     watch = effects.budget._watch
     assert effects.reconcile(XID95, T0, "boot-1").budget_blocked and watch.running

@@ -109,7 +109,7 @@ def test_a_held_node_takes_a_freed_slot_at_once_not_at_its_next_look(control_pla
         peer = agent(peer_name)
         peer.startup(T0 - 1, "boot-1")
         assert peer.reconcile(XID79, T0, "boot-1").taint_effect == "NoExecute"
-        mine = agent(me, budget_recheck_seconds=HOUR)
+        mine = agent(me, budget_recheck_seconds=HOUR, watch=True)
         mine.startup(T0 - 1000, "boot-1")  # it has seen the peer's slot for a while: judged at its first look
         clock = decision_clock()
         worker = EffectsWorker(mine, "boot-1", clock=clock, wall=clock, retry_seconds=HOUR)
