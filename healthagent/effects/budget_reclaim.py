@@ -122,7 +122,7 @@ def in_pool(node: Mapping, scope: Scope) -> bool:
     """Is ``node`` one of the nodes ``scope`` counts, by its own label as the API server has it
     (the fleet's budget counts every node; a scoped one the nodes with its value, "" the nodes
     without the label)?"""
-    return not scope.label or str(labels_of(node).get(scope.label) or "") == scope.value
+    return scope.of(node) == scope
 
 
 def holder_verdict(holder: Mapping | None, seen_for: float, evidence: Evidence, grace_seconds: float,
