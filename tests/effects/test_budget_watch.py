@@ -39,6 +39,13 @@ def started(fake, watch, scope: Scope = FLEET) -> None:
     wait_for(lambda: fake.open_watches() == 1, LONG, "the slot watch to be open")
 
 
+def reopened(fake, requests: int) -> None:
+    """Wait until the watch was requested ``requests`` times and only the newest stream is open
+    (the fake notices a stream its client left a moment later)."""
+    wait_for(lambda: len(fake.watches(SLOT_LEASES)) == requests and fake.open_watches() == 1, LONG,
+             f"watch request {requests} to be the one open stream")
+
+
 def test_a_slot_given_back_or_deleted_wakes_the_held_node(fake, watching):
     watch, wakes, _ = watching
     peer_holds(fake, 0, "gpu-node-1")
@@ -83,10 +90,10 @@ def test_a_garbage_line_a_refusal_and_a_cut_stream_are_counted_and_survived(fake
     started(fake, watch)
     fake.send_raw_watch_line("{not json")
     wait_for(lambda: tally.snapshot().get("watch_bad_event") == 1, LONG, "the bad line counted")
-    wait_for(lambda: fake.open_watches() == 1, LONG, "the watch opened again")
+    reopened(fake, 2)
     fake.drop_watches()
     wait_for(lambda: tally.snapshot().get("watch_unavailable", 0) >= 1, LONG, "the cut counted")
-    wait_for(lambda: fake.open_watches() == 1, LONG, "the watch opened again")
+    reopened(fake, 3)
     peer_holds(fake, 0, "gpu-node-1", tainted=False)
     fake.put_lease(NAMESPACE, released_lease(fake.leases(NAMESPACE)[0]))
     assert wakes.wait(LONG) and watch.take_freed()
