@@ -1,9 +1,9 @@
 """The node conditions the agent writes: two vocabularies, and noticing another writer.
 
-Why two: ``GpuHealthy``/``EfaHealthy`` (the default, ``healthagent``) say what node-problem-detector
+Why two: ``GpuHealthy``/``NetworkHealthy`` (the default, ``healthagent``) say what node-problem-detector
 would say, and nothing acts on them by itself. ``eks`` speaks the EKS node monitoring agent's
 vocabulary, ``AcceleratedHardwareReady`` for GPU (and NVSwitch) findings and ``NetworkingReady`` for
-EFA findings, with the reasons that ecosystem uses (``NvidiaXID79Error``, ``NvidiaDoubleBitError``,
+network (EFA, InfiniBand, RoCE) findings, with the reasons that ecosystem uses (``NvidiaXID79Error``, ``NvidiaDoubleBitError``,
 ...). Karpenter's node repair (v1.14.1, feature gate ``NodeRepair``) replaces a node whose condition
 of those types stays ``False`` past its wait (10 minutes for ``AcceleratedHardwareReady``, 30 for
 ``NetworkingReady`` in the AWS provider), reading only the condition's type and status, and EKS
@@ -41,11 +41,11 @@ FIELD_MANAGER = "healthagent"
 USER_AGENT = f"{FIELD_MANAGER}/{__version__}"
 # The manager the API server recorded for writes of versions that did not name themselves (the
 # ``kubernetes`` client's default User-Agent is ``OpenAPI-Generator/<version>/python``): their
-# GpuHealthy/EfaHealthy are the agent's own.
+# GpuHealthy/NetworkHealthy are the agent's own.
 UNNAMED_CLIENT_MANAGER = "OpenAPI-Generator"
 
 GPU_AREA = "gpu"
-EFA_AREA = "efa"
+NETWORK_AREA = "network"  # the node's network fabric: EFA, InfiniBand, RoCE
 
 # Reasons of the agent's own that carry no finding code: the same in both vocabularies.
 ALL_CHECKS_PASSED = "AllChecksPassed"
@@ -54,7 +54,7 @@ REBOOT_PENDING_REASON = "RebootPending"
 FINDINGS_WITHOUT_NODE_ACTION = "FindingsWithoutNodeAction"
 REPAIR_HELD_BY_BUDGET = "RepairHeldByBudget"
 REPAIR_AFTER_GRACE = "RepairAfterGrace"
-NOT_OBSERVED_REASONS = {GPU_AREA: "GpuNotObserved", EFA_AREA: "EfaNotObserved"}
+NOT_OBSERVED_REASONS = {GPU_AREA: "GpuNotObserved", NETWORK_AREA: "NetworkNotObserved"}
 OWN_REASONS = frozenset({ALL_CHECKS_PASSED, REPLACE_PENDING_REASON, REBOOT_PENDING_REASON,
                          FINDINGS_WITHOUT_NODE_ACTION, REPAIR_HELD_BY_BUDGET, REPAIR_AFTER_GRACE,
                          *NOT_OBSERVED_REASONS.values()})
@@ -107,11 +107,11 @@ _NAMED_XID = re.compile(r"\(XID (\d{1,5}),")
 
 def area_of(code: str) -> str:
     """The area a finding code belongs to: the node's network fabric (EFA_*, and RDMA_* for
-    InfiniBand/RoCE ports) -> efa, everything else (GPU, NVSwitch) -> gpu. RDMA findings share the
-    networking condition (``EfaHealthy``, ``NetworkingReady``) rather than a type of their own: the
+    InfiniBand/RoCE ports) -> network, everything else (GPU, NVSwitch) -> gpu. RDMA findings share the
+    networking condition (``NetworkHealthy``, ``NetworkingReady``) rather than a type of their own: the
     engines that repair nodes act on ``NetworkingReady`` alone, and the admission policy admits the
     agent's two types only (docs/design.md, "InfiniBand and RoCE ports")."""
-    return EFA_AREA if code.startswith(("EFA_", "RDMA_")) else GPU_AREA
+    return NETWORK_AREA if code.startswith(("EFA_", "RDMA_")) else GPU_AREA
 
 
 def deciding_xid(finding: Finding) -> int | None:
@@ -144,16 +144,16 @@ class Vocabulary:
 
     name: str
     gpu_type: str
-    efa_type: str
+    network_type: str
     gated: bool  # False only for a node action the agent is taking (an engine repairs on False)
     own_managers: tuple[str, ...]
 
     @property
     def types(self) -> tuple[str, str]:
-        return (self.gpu_type, self.efa_type)
+        return (self.gpu_type, self.network_type)
 
     def type_of(self, area: str) -> str:
-        return self.efa_type if area == EFA_AREA else self.gpu_type
+        return self.network_type if area == NETWORK_AREA else self.gpu_type
 
     def reason_for(self, finding: Finding) -> str:
         return eks_reason(finding) if self.name == EKS else finding.code
@@ -167,7 +167,7 @@ class Vocabulary:
 
 
 VOCABULARIES: dict[str, Vocabulary] = {
-    HEALTHAGENT: Vocabulary(HEALTHAGENT, "GpuHealthy", "EfaHealthy", gated=False,
+    HEALTHAGENT: Vocabulary(HEALTHAGENT, "GpuHealthy", "NetworkHealthy", gated=False,
                             own_managers=(FIELD_MANAGER, UNNAMED_CLIENT_MANAGER)),
     EKS: Vocabulary(EKS, "AcceleratedHardwareReady", "NetworkingReady", gated=True,
                     own_managers=(FIELD_MANAGER,)),

@@ -94,7 +94,7 @@ class AdapterJudge:
                 action = Action.REPLACE_NODE
         if action is Action.NONE:
             return  # informational (or silenced by the operator): counted in the metric only
-        where = Where(pci_bus_id=event.pci_bus_id, efa_device=event.device)
+        where = Where(pci_bus_id=event.pci_bus_id, fabric_device=event.device)
         name = adapter_words(event.pci_bus_id, event.device)
         what = event.event + (f" ({event.detail})" if event.detail else "")
         reason = entry.reason() + (f"; {again}, so the adapter must be replaced" if again else "")
