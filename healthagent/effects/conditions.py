@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 from healthagent import __version__
 from healthagent.model import Finding
+from healthagent.policy.finding_catalog import catalog_rows
 
 HEALTHAGENT = "healthagent"
 EKS = "eks"
@@ -61,45 +62,16 @@ OWN_REASONS = frozenset({ALL_CHECKS_PASSED, REPLACE_PENDING_REASON, REBOOT_PENDI
 
 NMA = "EKS node monitoring agent"
 COINED = "coined by healthagent"
-# Finding code -> (reason in the eks vocabulary, where the name comes from). The monitoring
-# agent's names are from its reason table (aws/eks-node-monitoring-agent pkg/reasons, the EKS
-# user guide's "Node health issues"); where it has no name for what the agent finds, the reason
-# is coined in the same style, never containing "XID", so no reader that picks an action from an
-# XID number in a reason (managed node groups' per-reason repair actions) mistakes one for an XID.
+_REASON_FROM = {"nma": NMA, "coined": COINED}
+# Finding code -> (reason in the eks vocabulary, where the name comes from): the finding catalog's
+# eks_reason columns (healthagent/policy/findings.csv). The monitoring agent's names are from its
+# reason table (aws/eks-node-monitoring-agent pkg/reasons, the EKS user guide's "Node health
+# issues"); where it has no name for what the agent finds, the reason is coined in the same style,
+# never containing "XID", so no reader that picks an action from an XID number in a reason (managed
+# node groups' per-reason repair actions) mistakes one for an XID.
 EKS_REASONS: dict[str, tuple[str, str]] = {
-    "GPU_XID": ("NvidiaXID<N>Error", NMA),
-    "GPU_ECC_DBE": ("NvidiaDoubleBitError", NMA),
-    "GPU_RETIRED_PAGES": ("NvidiaPageRetirement", NMA),
-    "GPU_RETIRED_PAGES_PENDING": ("NvidiaPageRetirement", NMA),
-    "GPU_MISSING": ("NvidiaDeviceCountMismatch", NMA),
-    "GPU_NVLINK_ERRORS": ("NvidiaNVLinkError", NMA),
-    "GPU_PCIE_REPLAY": ("NvidiaPCIeError", NMA),
-    "GPU_THERMAL_THROTTLE": ("NvidiaThermalError", NMA),
-    "GPU_POWER_THROTTLE": ("NvidiaPowerError", NMA),
-    "GPU_LOST": ("NvidiaGPULost", COINED),
-    "GPU_INIT_FAILED": ("NvidiaGPUInitFailed", COINED),
-    "GPU_ROW_REMAP_FAILURE": ("NvidiaRowRemapFailure", COINED),
-    "GPU_ROW_REMAP_PENDING": ("NvidiaRowRemapPending", COINED),
-    "GPU_SBE_STORM": ("NvidiaSingleBitErrorStorm", COINED),
-    "NVSWITCH_SXID": ("NvidiaNVSwitchFatalError", COINED),
-    "EFA_DEVICE_MISSING": ("EFADeviceMissing", COINED),
-    "EFA_ADMIN_QUEUE_STUCK": ("EFAAdminQueueStuck", COINED),
-    "EFA_CMD_ERRORS": ("EFAErrorMetric", NMA),
-    "EFA_UNRESPONSIVE_REMOTE": ("EFAErrorMetric", NMA),
-    "EFA_IMPAIRED_REMOTE": ("EFAErrorMetric", NMA),
-    "EFA_RETRANS_TIMEOUT": ("EFAErrorMetric", NMA),
-    "EFA_RX_DROPS": ("EFAErrorMetric", NMA),
-    "EFA_WR_ERRORS": ("EFAErrorMetric", NMA),
-    "RDMA_PORT_DOWN": ("RDMAPortDown", COINED),
-    "RDMA_PORT_DEGRADED": ("RDMAPortDegraded", COINED),
-    "RDMA_LINK_FLAPPING": ("RDMALinkFlapping", COINED),
-    "RDMA_SYMBOL_ERRORS": ("RDMAErrorMetric", COINED),
-    "RDMA_LINK_ERRORS": ("RDMAErrorMetric", COINED),
-    "RDMA_RCV_ERRORS": ("RDMAErrorMetric", COINED),
-    "RDMA_XMIT_DISCARDS": ("RDMAErrorMetric", COINED),
-    "RDMA_DEVICE_MISSING": ("RDMADeviceMissing", COINED),
-    "RDMA_ADAPTER_EVENT": ("RDMAAdapterError", COINED),
-}
+    row.code: (row.eks_reason, _REASON_FROM[row.eks_reason_from]) for row in catalog_rows()}
+_NETWORK_CODES = frozenset(row.code for row in catalog_rows() if row.condition == "network")
 XID_REASON = re.compile(r"NvidiaXID\d{0,5}Error")
 CODE_REASON = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")  # a finding code: GPU_XID, EFA_RX_DROPS
 _NAMED_XID = re.compile(r"\(XID (\d{1,5}),")
@@ -110,8 +82,11 @@ def area_of(code: str) -> str:
     InfiniBand/RoCE ports) -> network, everything else (GPU, NVSwitch) -> gpu. RDMA findings share the
     networking condition (``NetworkHealthy``, ``NetworkingReady``) rather than a type of their own: the
     engines that repair nodes act on ``NetworkingReady`` alone, and the admission policy admits the
-    agent's two types only (docs/design.md, "InfiniBand and RoCE ports")."""
-    return NETWORK_AREA if code.startswith(("EFA_", "RDMA_")) else GPU_AREA
+    agent's two types only (docs/design.md, "InfiniBand and RoCE ports"). The catalog's condition
+    column decides; a code it does not know (a taint's reason adopted from the node) by its prefix."""
+    if code in _NETWORK_CODES or code.startswith(("EFA_", "RDMA_")):
+        return NETWORK_AREA
+    return GPU_AREA
 
 
 def deciding_xid(finding: Finding) -> int | None:

@@ -44,6 +44,8 @@ from healthagent.policy.settings import Policy
 log = logging.getLogger(__name__)
 
 ADAPTER_EVENT = "RDMA_ADAPTER_EVENT"
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = (ADAPTER_EVENT,)
 MAX_ADAPTERS = 256  # adapters remembered; far above any real node, a bound for garbage input
 EARLIER_BOOT = "earlier boot"  # the boot of an event read from a kernel-log file's earlier boots
 

@@ -42,6 +42,8 @@ RATE_RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("EFA_WR_ERRORS", ("rdma_read_wr_err", "rdma_write_wr_err"), "efa_wr_err_per_minute"),
 )
 SERIES = (ADMIN_QUEUE,) + tuple(code for code, _, _ in RATE_RULES)
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = ("EFA_ADMIN_QUEUE_STUCK",) + tuple(code for code, _, _ in RATE_RULES)
 
 
 def efa_key(sample: EfaSample) -> str:

@@ -51,6 +51,9 @@ RATE_RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("RDMA_XMIT_DISCARDS", ("port_xmit_discards",), "rdma_xmit_discards_per_minute"),
 )
 SERIES = (FLAPS,) + tuple(code for code, _, _ in RATE_RULES)
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = ("RDMA_PORT_DOWN", "RDMA_PORT_DEGRADED", "RDMA_LINK_FLAPPING", "RDMA_DEVICE_MISSING") + tuple(
+    code for code, _, _ in RATE_RULES)
 MAX_PORTS = 256  # ports remembered; far above a real node, a bound for garbage state
 MAX_KNOWN = 256
 
