@@ -41,11 +41,10 @@ FIELDS = ("count", "window", "sustain", "after_boot_grace")
 GPU = "gpu"
 EFA = "efa"
 RDMA = "rdma"
-PCI = "pci"
 INVENTORY = "inventory"
 EVENTS = "events"
 READING_WORDS = {GPU: "GPU readings", EFA: "EFA readings", RDMA: "RDMA port readings",
-                 PCI: "PCI function readings", INVENTORY: "inventory readings"}
+                 INVENTORY: "inventory readings"}
 
 
 @dataclass(frozen=True)

@@ -104,3 +104,10 @@ def test_the_generated_reference_is_current():
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "reference/findings.md" in (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
+
+
+def test_a_rate_rules_threshold_is_in_its_row():
+    """The thresholds column names what the rule reads: the rate rules' own keys are there."""
+    from healthagent.policy import rules_efa, rules_rdma
+    for code, _, key in rules_efa.RATE_RULES + rules_rdma.RATE_RULES:
+        assert key in catalog()[code].thresholds, (code, key)
