@@ -23,7 +23,7 @@ fresh node, a new step, a retry with backoff), keep the landed state, re-write a
 slot; deliver the queued Events and save the state (drawn in docs/design.md).
 
 What the verdict could not see (``Verdict.unobserved``) is never taken for health: an area
-unobserved says ``Unknown`` (``GpuNotObserved``, ``EfaNotObserved``), the health label ``unknown``,
+unobserved says ``Unknown`` (``GpuNotObserved``, ``NetworkNotObserved``), the health label ``unknown``,
 and a reboot taint stays while its subsystem is unobserved (a driver that stopped answering is no
 recovery). Nothing is ever tainted because of it, and the budget is not asked.
 """
