@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"where /metrics, /healthz and /readyz are served (default {_default('listen')})")
     run.add_argument("--training-listen", metavar="HOST:PORT",
                      help="where the training intake, POST /v1/training, is served (default: listen's "
-                          "host, port 9412)")
+                          "host, two ports above listen's: 9412 beside 9410)")
     run.add_argument("--training-intake", choices=("token", "open", "off"),
                      help=f"who may post training reports (default {_default('training_intake')}: a job "
                           "token or the training key)")

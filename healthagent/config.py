@@ -28,7 +28,8 @@ ENV_PREFIX = "HEALTHAGENT_"
 KUBE_MODES = ("in-cluster", "kubeconfig", "dry-run", "off")
 CONDITION_VOCABULARIES = ("healthagent", "eks")  # healthagent/effects/conditions.py
 TRAINING_INTAKE_MODES = ("token", "open", "off")
-TRAINING_PORT = 9412
+TRAINING_PORT_OFFSET = 2  # the intake's port, unless training_listen says: listen's port + 2
+TRAINING_PORT = 9412  # so beside the default listen port, 9410: the DaemonSet's hostPort
 MIN_TRAINING_KEY_CHARS = 32  # 128 random bits written as hex
 _NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
 
@@ -153,7 +154,8 @@ class Settings:
         "use one of: token, open, off")
     training_listen: str = _setting(
         "", "HOST:PORT of the training intake (POST /v1/training), a listener of its own; empty = "
-            "the host of listen and port 9412 (port 0 when listen's port is 0)",
+            "the host of listen and listen's port + 2 (9412 beside the default 9410; port 0 when "
+            "listen's port is 0)",
         "use HOST:PORT, e.g. 0.0.0.0:9412")
     state_save_interval_seconds: float = _setting(
         60.0, "longest time between state-file saves when only counter histories or the kernel-log "
@@ -163,12 +165,13 @@ class Settings:
         return _host_port(self.listen)
 
     def training_listen_address(self) -> tuple[str, int]:
-        """Where the intake listens: ``training_listen``, else listen's host on port 9412 (0, a
-        free port, when listen asks for one: a test or a second agent on one machine)."""
+        """Where the intake listens: ``training_listen``, else listen's host two ports above
+        listen's (0, a free port, when listen asks for one). It follows ``listen`` so that a
+        second agent on one machine, moved with ``--listen``, moves its intake too."""
         if self.training_listen:
             return _host_port(self.training_listen)
         host, port = self.listen_address()
-        return host, (TRAINING_PORT if port else 0)
+        return host, (port + TRAINING_PORT_OFFSET if port else 0)
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -239,6 +242,10 @@ def _validate(s: Settings) -> None:
             raise bad(key, f"{shown(value)} is not HOST:PORT")
     if s.training_intake not in TRAINING_INTAKE_MODES:
         raise bad("training_intake", f"{shown(s.training_intake)} is not a mode")
+    if s.training_intake != "off" and not s.training_listen and s.listen_address()[1] + TRAINING_PORT_OFFSET > 65535:
+        raise bad("training_listen", f"listen's port {s.listen_address()[1]} leaves no port {TRAINING_PORT_OFFSET} "
+                                     "above it for the intake; give the intake its own, e.g. --training-listen "
+                                     "0.0.0.0:9412, or move --listen")
     if s.training_intake != "off" and s.listen_address()[1] and \
             s.training_listen_address() == s.listen_address():
         raise bad("training_listen", f"{shown(s.training_listen or s.listen)} is also listen's address: "

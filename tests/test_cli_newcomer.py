@@ -1,0 +1,79 @@
+"""What a newcomer meets on a fresh machine: two agents side by side, a mistyped input, the demo
+prepared twice or into the wrong place, a missing C compiler. Every error is one line and exit 3,
+never a traceback; what the user did not name and is absent stays unobserved.
+
+Real parts: sockets on 127.0.0.1, ``python -m healthagent`` as a subprocess, real folders.
+"""
+
+from __future__ import annotations
+
+import socket
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from healthagent.config import ConfigError, load_settings
+from tests.test_cli import healthagent, one_error_line, run_args
+
+
+def free_port_pair() -> int:
+    """A loopback port ``p`` free with ``p + 2`` free too (the agent's port and its intake's)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port + 2 > 65535:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 2))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free pair of loopback ports")
+
+
+# -- run: two agents on one machine -----------------------------------------------------------------
+
+def test_two_agents_on_one_machine_each_get_the_intake_beside_their_own_port(tmp_path):
+    """The intake follows ``--listen``: two ports up from it (9410 -> 9412), so a second agent
+    moved with ``--listen`` does not collide with the first on the intake."""
+    from healthagent.wiring import AgentRuntime
+
+    with ExitStack() as stack:
+        runtimes = []
+        for name in ("a", "b"):
+            port = free_port_pair()
+            (tmp_path / name).mkdir()
+            settings = load_settings(env={}, flags={
+                "host_root": str(tmp_path / name), "nvml": "false", "kube": "off", "listen": f"127.0.0.1:{port}",
+                "state_file": str(tmp_path / name / "state.json"), "log_level": "WARNING"})
+            runtime = AgentRuntime(settings)
+            runtime.start()
+            stack.callback(runtime.stop)
+            runtimes.append((port, runtime))
+        for port, runtime in runtimes:
+            assert (runtime.server.port, runtime.server.intake_port) == (port, port + 2)
+
+
+def test_the_default_intake_port_is_the_daemonsets():
+    assert load_settings(env={}).training_listen_address() == ("0.0.0.0", 9412)
+    assert load_settings(env={}, flags={"training_listen": "0.0.0.0:7000"}).training_listen_address()[1] == 7000
+
+
+def test_a_listen_port_with_no_room_for_the_intake_is_refused():
+    with pytest.raises(ConfigError, match=r"^training_listen: listen's port 65534 leaves no port 2 above it"):
+        load_settings(env={}, flags={"listen": "0.0.0.0:65534"})
+    assert load_settings(env={}, flags={"listen": "0.0.0.0:65534", "training_intake": "off"}).listen.endswith("65534")
+
+
+def test_an_intake_port_taken_beside_listen_is_one_line_naming_it(tmp_path):
+    port = free_port_pair()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 2))
+        taken.listen()
+        proc = healthagent(*run_args(tmp_path, "--kube", "dry-run", "--listen", f"127.0.0.1:{port}"))
+    assert proc.returncode == 3
+    line = one_error_line(proc, "healthagent: config error: training_listen:")
+    assert f"cannot listen on 127.0.0.1:{port + 2} " in line and "--training-listen" in line
