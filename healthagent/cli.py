@@ -332,7 +332,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
 # -- check ----------------------------------------------------------------------------------------
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from healthagent.cli_inputs import named_kernel_log_problem
+
     settings = _settings(args)
+    problem = named_kernel_log_problem(settings.kernel_log)
+    if problem:
+        raise CannotRun(f"check: {problem}")
     _setup_logging(settings.log_level if args.log_level else "ERROR")
     from healthagent.wiring import build_classifier
 

@@ -77,3 +77,30 @@ def test_an_intake_port_taken_beside_listen_is_one_line_naming_it(tmp_path):
     assert proc.returncode == 3
     line = one_error_line(proc, "healthagent: config error: training_listen:")
     assert f"cannot listen on 127.0.0.1:{port + 2} " in line and "--training-listen" in line
+
+
+# -- check: a named input that is not there ---------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["flag", "set"])
+def test_check_with_a_named_kernel_log_that_does_not_exist_is_an_error(tmp_path, how):
+    """``--kernel-log /var/log/kern.lgo`` (a typo) used to print "healthy as far as seen", exit 0."""
+    missing = str(tmp_path / "kern.lgo")
+    named = ["--kernel-log", missing] if how == "flag" else ["--set", f"kernel_log={missing}"]
+    proc = healthagent("check", "--no-nvml", "--host-root", str(tmp_path), *named)
+    assert proc.returncode == 3 and proc.stdout == b""
+    line = one_error_line(proc, f"healthagent: check: kernel_log (--kernel-log) '{missing}' does not exist")
+    assert "/var/log/kern.log" in line
+
+
+def test_check_with_a_named_kernel_log_that_is_a_folder_is_an_error(tmp_path):
+    proc = healthagent("check", "--no-nvml", "--host-root", str(tmp_path), "--kernel-log", str(tmp_path))
+    assert proc.returncode == 3
+    one_error_line(proc, f"healthagent: check: kernel_log (--kernel-log) '{tmp_path}' is a folder")
+
+
+def test_check_where_the_default_kernel_log_is_absent_leaves_it_unobserved(tmp_path):
+    """Nobody named dev/kmsg under this host root: its absence is no error (the source falls back
+    to klogctl where it may, else reports the kernel log unobserved)."""
+    proc = healthagent("check", "--no-nvml", "--host-root", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert f"{tmp_path}/dev/kmsg not found" in proc.stdout.decode() and "Verdict: none" in proc.stdout.decode()
