@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import textwrap
@@ -209,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep-running", action="store_true",
                       help="keep serving /metrics after the script, until Ctrl-C")
     demo.add_argument("--prepare", metavar="DIR",
-                      help="only write the demo host root to DIR (for check/run --host-root DIR)")
+                      help="only write the demo host root to DIR (for check/run --host-root DIR): a new or "
+                           "empty folder, or one --prepare wrote before (written again)")
+    demo.add_argument("--replace", action="store_true",
+                      help="with --prepare: replace a demo node of the other --fabric in DIR")
 
     token = sub.add_parser("training-token", help="print the token that lets a training job report "
                                                   "(derived from the training key; docs/training.md)")
@@ -389,55 +391,30 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from healthagent.demo.prepare import PrepareRefused
     from healthagent.demo.script import run_demo
+    from healthagent.demo.stub_nvml import StubBuildError
 
     if args.fabric == "ib" and args.xid is not None:
         raise CannotRun("demo: --xid is the efa demo's fault; the ib demo's fault is an InfiniBand port "
                         "going down (--gpu picks the GPU whose port it is): leave out --xid, or use --fabric efa")
+    if args.replace and not args.prepare:
+        raise CannotRun("demo: --replace goes with --prepare DIR (it replaces the demo node in DIR)")
     if args.xid is None:
         args.xid = DEMO_XID
-    return run_demo(args)
+    try:
+        return run_demo(args)
+    except PrepareRefused as exc:
+        raise CannotRun(str(exc)) from None
+    except StubBuildError as exc:  # the demo's GPUs are a stub library compiled from C on this machine
+        raise CannotRun(f"demo: {' '.join(str(exc).split())[:400]}; or try the node without GPUs: "
+                        "healthagent demo --prepare DIR, then healthagent check --host-root DIR --no-nvml") from None
 
-
-# -- training-token -------------------------------------------------------------------------------
 
 def cmd_training_token(args: argparse.Namespace) -> int:
-    """Print a job's token, or a Secret holding it: the one step that gives a job its credential.
+    from healthagent.cli_token import training_token
 
-    Run where the training key is (``kubectl -n healthagent exec ds/healthagent -- healthagent
-    training-token JOB ...``: the agent's pod has it from the Secret healthagent-training)."""
-    from healthagent.training.access import job_token
-    from healthagent.training.schema import ReportError, parse_report
-
-    settings = load_settings(config_file=args.config)
-    if not settings.training_token:
-        raise CannotRun("training-token: no training key here (training_token is empty); run it in an "
-                        "agent's pod: kubectl -n healthagent exec ds/healthagent -- healthagent "
-                        "training-token JOB, after creating the Secret healthagent-training "
-                        "(docs/training.md)")
-    try:
-        parse_report({"type": "end", "job": args.job})  # the intake's own rule for a job name
-    except ReportError as exc:
-        raise CannotRun(f"training-token: {exc}") from None
-    token = job_token(settings.training_token, args.job)
-    if not args.namespace:
-        print(token)
-        return 0
-    name = args.name or _secret_name(args.job)
-    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-              "metadata": {"name": name, "namespace": args.namespace,
-                           "labels": {"app.kubernetes.io/part-of": "healthagent"}},
-              "stringData": {"job": args.job, "token": token}}
-    print(json.dumps(secret, indent=2))
-    return 0
-
-
-def _secret_name(job: str) -> str:
-    """``healthagent-job-<job>`` as a Kubernetes object name (lower case, ``-`` for the rest)."""
-    slug = re.sub(r"[^a-z0-9.-]+", "-", job.lower()).strip("-.")[:200].rstrip("-.")
-    if not slug:
-        raise CannotRun(f"training-token: {job!r} gives no usable Secret name; pass --name NAME")
-    return f"healthagent-job-{slug}"
+    return training_token(args)
 
 
 COMMANDS = {"run": cmd_run, "check": cmd_check, "classify": cmd_classify, "explain": cmd_explain,
@@ -462,11 +439,18 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return EXIT_BROKEN_PIPE
-    except Exception as exc:  # policy file errors and the like: one line, exit 3
+    except OSError as exc:  # a file, folder or device the command could not use
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"healthagent: {args.command}: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except Exception as exc:  # policy file errors: one line, exit 3; anything else too, said as a bug
         if type(exc).__name__ in ("PolicyError",):
             print(f"healthagent: policy error: {exc}", file=sys.stderr)
             return EXIT_CANNOT_RUN
-        raise
+        logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)  # --log-level DEBUG
+        print(f"healthagent: {args.command}: unexpected {type(exc).__name__}: {' '.join(str(exc).split())[:200]} "
+              "(a bug: please report it)", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     except KeyboardInterrupt:
         return 130
 

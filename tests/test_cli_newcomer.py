@@ -104,3 +104,90 @@ def test_check_where_the_default_kernel_log_is_absent_leaves_it_unobserved(tmp_p
     proc = healthagent("check", "--no-nvml", "--host-root", str(tmp_path))
     assert proc.returncode == 0, proc.stderr.decode()
     assert f"{tmp_path}/dev/kmsg not found" in proc.stdout.decode() and "Verdict: none" in proc.stdout.decode()
+
+
+# -- demo: --prepare into a folder that holds something, and no C compiler --------------------------
+
+def demo(*args: str, capsys) -> tuple[int, str, str]:
+    from healthagent.cli import main
+
+    code = main(["demo", *args])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def rdma_devices(root: Path) -> set[str]:
+    return {p.name for p in (root / "sys" / "class" / "infiniband").iterdir()}
+
+
+def test_preparing_the_same_demo_node_twice_writes_it_again(tmp_path, capsys):
+    """The second ``--prepare DIR`` used to stop on FileExistsError (a traceback, exit 1)."""
+    root = tmp_path / "node"
+    for _ in range(2):
+        code, out, _ = demo("--prepare", str(root), capsys=capsys)
+        assert code == 0 and f"demo host root written to {root}" in out
+    assert len(rdma_devices(root)) == 32
+
+
+def test_the_other_fabric_into_a_demo_folder_is_refused_unless_replaced(tmp_path, capsys):
+    """``--fabric ib`` into the EFA demo's folder made one host of both (32 EFA devices and 10
+    RDMA ports, healthy); it is refused, and ``--replace`` writes the ib node alone."""
+    root = tmp_path / "node"
+    assert demo("--prepare", str(root), capsys=capsys)[0] == 0
+    code, _, err = demo("--fabric", "ib", "--prepare", str(root), capsys=capsys)
+    assert code == 3 and err.count("\n") == 1
+    assert err.startswith(f"healthagent: demo: --prepare {root}: it holds the efa demo node") and "--replace" in err
+    assert len(rdma_devices(root)) == 32  # untouched
+    assert demo("--fabric", "ib", "--prepare", str(root), "--replace", capsys=capsys)[0] == 0
+    assert rdma_devices(root) == {f"mlx5_{n}" for n in range(10)}
+
+
+def test_prepare_never_empties_a_folder_it_did_not_write(tmp_path, capsys):
+    keep = tmp_path / "notes.txt"
+    keep.write_text("mine")
+    code, _, err = demo("--prepare", str(tmp_path), "--replace", capsys=capsys)
+    assert code == 3 and "is not empty and holds no demo node" in err and err.count("\n") == 1
+    assert keep.read_text() == "mine"
+
+
+@pytest.mark.parametrize("where,words", [("file", "is a file, not a folder"),
+                                         ("/proc/healthagent-demo", "cannot write there")])
+def test_prepare_where_no_folder_can_be_written_is_one_line(tmp_path, capsys, where, words):
+    target = tmp_path / "file" if where == "file" else Path(where)
+    if where == "file":
+        target.write_text("x")
+    code, _, err = demo("--prepare", str(target), capsys=capsys)
+    assert code == 3 and err.startswith(f"healthagent: demo: --prepare {target}: ") and words in err
+    assert err.count("\n") == 1
+
+
+def test_replace_without_prepare_is_a_usage_mistake(capsys):
+    code, _, err = demo("--replace", capsys=capsys)
+    assert code == 3 and "--replace goes with --prepare DIR" in err
+
+
+def test_the_demo_without_a_c_compiler_says_what_to_install(tmp_path):
+    """The demo's GPUs are a stub library built with ``cc``: without one, the demo said
+    StubBuildError in a traceback (exit 1)."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = healthagent("demo", env={"PATH": str(empty), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert proc.returncode == 3
+    line = one_error_line(proc, "healthagent: demo: cc not found: install a C compiler (e.g. apt-get install gcc)")
+    assert "--no-nvml" in line
+
+
+@pytest.mark.parametrize("error,words", [
+    (PermissionError(13, "Permission denied", "/var/lib/x"), "healthagent: explain: Permission denied: /var/lib/x"),
+    (RuntimeError("a\nb"), "healthagent: explain: unexpected RuntimeError: a b (a bug: please report it)"),
+])
+def test_any_error_a_command_cannot_act_on_is_one_line_and_exit_3(monkeypatch, capsys, error, words):
+    import healthagent.cli as cli
+
+    def fails(_args):
+        raise error
+
+    monkeypatch.setitem(cli.COMMANDS, "explain", fails)
+    assert cli.main(["explain", "94"]) == 3
+    assert capsys.readouterr().err == words + "\n"
