@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import textwrap
 import time
@@ -160,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kube", metavar="MODE",
                      help=f"in-cluster, kubeconfig, dry-run or off (default {_default('kube')})")
     run.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig file when --kube kubeconfig")
-    run.add_argument("--node-name", help="this node's name (default: NODE_NAME); needed by every --kube mode but off")
+    run.add_argument("--node-name", help="this node's name (default: NODE_NAME; outside a pod with --kube dry-run, "
+                                         "this host's name); needed by every --kube mode but off")
     run.add_argument("--state-file", metavar="FILE", help=STATE_FILE_HELP)
     run.add_argument("--hyperpod-labels", action="store_const", const="true",
                      help="also set sagemaker.amazonaws.com/node-health-status")
@@ -361,18 +363,24 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """``healthagent run``: start, wait for SIGTERM/SIGINT, finish the write in flight, exit 0.
 
-    Outside a pod, with no state file named, the state goes to the user's state directory and one
-    log line says where (``cli_inputs.choose_state_file`` says why)."""
-    from healthagent.cli_inputs import choose_state_file, in_a_pod, state_file_given
+    Outside a pod, with no state file named, the state goes to the user's state directory, and a
+    dry run with no node name reports as this host; one log line says each (``cli_inputs`` says
+    why)."""
+    from healthagent.cli_inputs import choose_state_file, dry_run_node_name, in_a_pod, state_file_given
 
     settings = _settings(args)
     given = state_file_given(args.state_file, parse_set_values(args.set_values), os.environ, args.config)
-    choice = choose_state_file(given, in_a_pod(os.environ), os.environ, os.path.expanduser("~"))
-    if choice.path:
-        settings = _settings(args, state_file=choice.path)
+    in_pod = in_a_pod(os.environ)
+    choice = choose_state_file(given, in_pod, os.environ, os.path.expanduser("~"))
+    node = dry_run_node_name(settings.kube, settings.node_name, in_pod, socket.gethostname())
+    overrides = {**({"state_file": choice.path} if choice.path else {}),
+                 **({"node_name": node.name} if node.name else {})}
+    if overrides:
+        settings = _settings(args, **overrides)
     _setup_logging(settings.log_level)
-    if choice.note:
-        logging.getLogger(__name__).info(choice.note)
+    for note in (choice.note, node.note):
+        if note:
+            logging.getLogger(__name__).info(note)
     from healthagent.wiring import AgentRuntime
 
     runtime = AgentRuntime(settings)

@@ -7,14 +7,19 @@ Real parts: sockets on 127.0.0.1, ``python -m healthagent`` as a subprocess, rea
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
+from healthagent.cli_inputs import SERVICE_ACCOUNT_TOKEN
 from healthagent.config import ConfigError, load_settings
-from tests.test_cli import healthagent, one_error_line, run_args
+from tests.test_cli import REPO, healthagent, one_error_line, run_args
 
 
 def free_port_pair() -> int:
@@ -191,3 +196,33 @@ def test_any_error_a_command_cannot_act_on_is_one_line_and_exit_3(monkeypatch, c
     monkeypatch.setitem(cli.COMMANDS, "explain", fails)
     assert cli.main(["explain", "94"]) == 3
     assert capsys.readouterr().err == words + "\n"
+
+
+# -- the README's commands, as printed ----------------------------------------------------------------
+
+def test_run_kube_dry_run_outside_a_pod_works_as_the_readme_prints_it(tmp_path):
+    """``healthagent run --kube dry-run`` (the README's line) stopped on "node_name: ... must be
+    told which" outside a pod; it reports as this host, and says so."""
+    if os.path.exists(SERVICE_ACCOUNT_TOKEN):
+        pytest.skip("this test process runs in a pod")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HEALTHAGENT_", "KUBERNETES_", "NODE_NAME"))}
+    env["HOME"] = str(tmp_path)  # the state goes under it
+    port = free_port_pair()
+    # The README's command; --listen only so that the test does not need 9410 free here.
+    agent = subprocess.Popen([sys.executable, "-m", "healthagent", "run", "--kube", "dry-run",
+                              "--listen", f"127.0.0.1:{port}"],
+                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        for line in agent.stderr:
+            seen.append(line)
+            if "agent started" in line or "healthagent:" in line:
+                break
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(60) == 0, "".join(seen)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    name = socket.gethostname().lower()
+    assert any(f"the dry run reports as node {name!r}, this host's name" in line for line in seen), seen
+    assert f"node={name} kube=dry-run" in seen[-1]
