@@ -140,10 +140,16 @@ STATE_FILE_HELP = (f"state that survives restarts (default in a pod: {_default('
                    "of the DaemonSet on this node owns)")
 
 
+CHECK_EXIT_CODES = ("exit codes: 0 healthy; 1 degraded (monitor to reset_gpu: the node stays in); 2 node action "
+                    "required (reboot_node or replace_node); 3 could not run (a usage, config or input error, or "
+                    "the GPUs could not be observed while NVML was asked for and nothing seen demands a node action)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="healthagent",
-        description="GPU and EFA health agent: detect faults, explain them, take the node out safely.",
+        description="GPU, EFA and InfiniBand/RoCE health agent: detect faults, explain them, take the node out "
+                    "safely.",
     )
     parser.add_argument("--version", action="version", version=f"healthagent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -167,14 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hyperpod-labels", action="store_const", const="true",
                      help="also set sagemaker.amazonaws.com/node-health-status")
 
-    check = sub.add_parser("check", help="collect once, classify, print the verdict (exit 0/1/2/3)")
+    check = sub.add_parser("check", help="collect once, classify, print the verdict (exit 0/1/2/3)",
+                           description="Collect once from every source, classify, print the verdict.",
+                           epilog=CHECK_EXIT_CODES)
     _add_host_flags(check, "ERROR")
     check.add_argument("--json", action="store_true", help="print JSON for machines")
 
     classify = sub.add_parser(
         "classify", help="classify XID, SXid and ConnectX (mlx5) lines of kernel-log text, one JSON object per event",
         description="One JSON object per XID, SXid or ConnectX (mlx5_core) adapter event line on stdout; how "
-                    "many lines were read and how many were events goes to stderr.")
+                    "many lines were read and how many were events goes to stderr. With no file and no "
+                    "--host-root it reads standard input (saying so when that is a terminal).")
     classify.add_argument("file", nargs="?",
                           help="dmesg/journalctl/kmsg text, - for stdin (default: the kernel log under "
                                "--host-root when it is given, else stdin)")
@@ -274,6 +283,10 @@ def _catalog(policy_file: str | None, settings: Settings | None = None):
     return policy, load_catalog(policy)
 
 
+STDIN_NOTE = ("classify: reading kernel-log text from standard input: paste lines, then Ctrl-D "
+              "(or pass a file: healthagent classify /var/log/kern.log; dmesg | healthagent classify)")
+
+
 def cmd_classify(args: argparse.Namespace) -> int:
     """One JSON object per XID, SXid or mlx5 adapter event line on stdout; on stderr, how many
     lines were read and how many were events (so an empty stdout says "none found", not "nothing
@@ -286,6 +299,8 @@ def cmd_classify(args: argparse.Namespace) -> int:
     policy, catalog = _catalog(args.policy_file)
     mlx5 = load_mlx5_catalog(policy.mlx5_actions)
     source = classify_input(args.file, args.host_root)
+    if source.path == "-" and sys.stdin.isatty():  # else a terminal waits in silence for the paste
+        print(STDIN_NOTE, file=sys.stderr, flush=True)
     read = 0
 
     def counted() -> Iterator[str]:

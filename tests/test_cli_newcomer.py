@@ -8,6 +8,8 @@ Real parts: sockets on 127.0.0.1, ``python -m healthagent`` as a subprocess, rea
 from __future__ import annotations
 
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
@@ -226,3 +228,46 @@ def test_run_kube_dry_run_outside_a_pod_works_as_the_readme_prints_it(tmp_path):
     name = socket.gethostname().lower()
     assert any(f"the dry run reports as node {name!r}, this host's name" in line for line in seen), seen
     assert f"node={name} kube=dry-run" in seen[-1]
+
+
+def test_classify_on_a_terminal_says_it_reads_standard_input(tmp_path):
+    """With no file, ``classify`` reads stdin: on a terminal it used to wait without a word."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "healthagent", "classify"], cwd=REPO, stdin=follower,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(follower)
+    try:
+        # The note comes before any input is read; without one the command waits for input, so
+        # the test gives up (a failure, never a hang) if nothing is said in a minute.
+        said, _, _ = select.select([proc.stderr], [], [], 60)
+        note = proc.stderr.readline() if said else ""
+        assert note.startswith("classify: reading kernel-log text from standard input: paste lines, then Ctrl-D")
+        os.write(leader, b"\x04")  # Ctrl-D: the end of the input on a terminal
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and out == "" and "0 XID lines in stdin (0 lines read)" in err
+
+
+def test_classify_from_a_pipe_says_nothing_but_its_summary():
+    proc = healthagent("classify", stdin=b"")
+    assert proc.returncode == 0 and proc.stderr.decode() == "0 XID lines in stdin (0 lines read)\n"
+
+
+def test_check_help_gives_the_exit_codes():
+    proc = healthagent("check", "--help")
+    text = " ".join(proc.stdout.decode().split())
+    assert proc.returncode == 0
+    assert ("exit codes: 0 healthy; 1 degraded (monitor to reset_gpu: the node stays in); 2 node action required "
+            "(reboot_node or replace_node); 3 could not run") in text
+
+
+def test_the_descriptions_name_every_fabric():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    top = " ".join(healthagent("--help").stdout.decode().split())
+    for text in (project["description"], top):
+        assert "GPU, EFA and InfiniBand/RoCE health agent" in text
