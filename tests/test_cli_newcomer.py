@@ -271,3 +271,27 @@ def test_the_descriptions_name_every_fabric():
     top = " ".join(healthagent("--help").stdout.decode().split())
     for text in (project["description"], top):
         assert "GPU, EFA and InfiniBand/RoCE health agent" in text
+
+
+PROVIDERS = ("apt-get install", "Debian package", "pip install", "python -m ", "go install", "(iproute2)", "(util-linux)")
+
+
+def test_every_skip_for_a_missing_tool_names_what_provides_it():
+    """A newcomer who sees "skipped: X not installed" learns from the same line how to get X."""
+    import ast
+
+    from tests.support.deploy import NO_KUBECTL, NO_OLDEST_KUBECTL
+    from tests.support.envtest import missing_reason
+    from tests.support.nvml_stub import NO_CC
+
+    reasons = [NO_CC, NO_KUBECTL, NO_OLDEST_KUBECTL, missing_reason()]
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("skip", "importorskip"):
+                for arg in [*node.args, *(k.value for k in node.keywords if k.arg == "reason")]:
+                    text = "".join(part.value for part in ast.walk(arg)
+                                   if isinstance(part, ast.Constant) and isinstance(part.value, str))
+                    if "not installed" in text:
+                        reasons.append(f"{path.name}: {text}")
+    missing = [reason for reason in reasons if not any(p in reason for p in PROVIDERS)]
+    assert not missing and len(reasons) > 10, missing
