@@ -143,8 +143,8 @@ def kernfs_reads(files: int = 1216, rounds: int = 30) -> tuple[float, float] | N
     import glob
     import statistics
 
-    from healthagent.sources.efa import READ_LIMIT, _read_small
-    from healthagent.sources.sysfs_files import HeldFiles
+    from healthagent.sources.efa import READ_LIMIT
+    from healthagent.sources.sysfs_files import HeldFiles, read_once
 
     found = sorted(glob.glob("/sys/class/net/*/statistics/*"))
     if not found:
@@ -153,7 +153,7 @@ def kernfs_reads(files: int = 1216, rounds: int = 30) -> tuple[float, float] | N
     held = HeldFiles("bench")
     timings: dict[str, list[float]] = {"before": [], "now": []}
     for _ in range(rounds):
-        for name, read in (("before", _read_small), ("now", lambda p: held.read(p, READ_LIMIT))):
+        for name, read in (("before", lambda p: read_once(p, READ_LIMIT)), ("now", lambda p: held.read(p, READ_LIMIT))):
             started = time.process_time()
             for path in paths:
                 read(path)

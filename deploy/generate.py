@@ -13,6 +13,11 @@ What it writes (and why it is generated, not copied by hand: a copy drifts):
                               text byte for byte;
   kustomization.yaml          the list of the above, so deploy/base picks up a new dashboard.
 
+and, into the Helm chart's deploy/helm/healthagent/files/ (Helm reads no file outside its chart),
+the same PrometheusRule and dashboard files plus deploy/base/admission-policy.yaml byte for byte:
+the chart's templates read them with ``.Files.Get``, so the chart and the Kustomize base install
+the same alerts, dashboards and admission policies by construction (docs/design.md, "One truth").
+
 The rules' ``runbook_url`` annotations are paths in this repository (``docs/findings.md#gpu_lost``).
 ``--runbook-base URL`` writes ``URL`` + that path instead, so that alert notifications link to where
 your copy of the docs is served; the committed files keep the repository paths (and ``--check``
@@ -38,6 +43,8 @@ REPO = Path(__file__).resolve().parent.parent
 RULES_FILE = REPO / "alerts" / "healthagent.rules.yaml"
 DASHBOARD_DIR = REPO / "dashboards"
 OUTPUT_DIR = REPO / "deploy" / "base" / "generated"
+CHART_FILES_DIR = REPO / "deploy" / "helm" / "healthagent" / "files"
+CHART_COPIES = (REPO / "deploy" / "base" / "admission-policy.yaml",)
 
 NAMESPACE = "healthagent"
 COMMON_LABELS = {"app.kubernetes.io/name": "healthagent", "app.kubernetes.io/part-of": "healthagent"}
@@ -173,6 +180,12 @@ def build(rules_file: Path = RULES_FILE, dashboard_dir: Path = DASHBOARD_DIR,
     return files
 
 
+def chart_files(files: dict[str, str]) -> dict[str, str]:
+    """What the chart's files/ holds: the generated objects (not the kustomization) and the copies."""
+    copies = {path.name: path.read_text(encoding="utf-8") for path in CHART_COPIES}
+    return {**{name: text for name, text in files.items() if name != "kustomization.yaml"}, **copies}
+
+
 def stale(files: dict[str, str], out_dir: Path) -> list[str]:
     """Names whose committed text differs from ``files``, plus leftovers ``files`` no longer has."""
     present = {p.name for p in out_dir.glob("*.yaml")} if out_dir.is_dir() else set()
@@ -197,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", type=Path, default=RULES_FILE, help="Prometheus rule file")
     parser.add_argument("--dashboards", type=Path, default=DASHBOARD_DIR, help="directory of *.json")
     parser.add_argument("--out", type=Path, default=OUTPUT_DIR, help="output directory")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if --out is stale")
+    parser.add_argument("--chart-out", type=Path, default=None,
+                        help="the Helm chart's files/ directory (default: the chart's own when --out "
+                             "is the default; with another --out, none unless given)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if --out or --chart-out is stale")
     parser.add_argument("--runbook-base", default="", metavar="URL",
                         help="put URL (ending in '/') in front of each runbook_url's docs/ path")
     args = parser.parse_args(argv)
@@ -206,14 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     except GenerateError as exc:
         sys.stderr.write(f"deploy/generate.py: {exc}\n")
         return 2
+    chart_out = args.chart_out or (CHART_FILES_DIR if args.out == OUTPUT_DIR else None)
+    outputs = [(files, args.out)] + ([(chart_files(files), chart_out)] if chart_out else [])
     if args.check:
-        outdated = stale(files, args.out)
-        if outdated:
-            sys.stderr.write(f"deploy/generate.py: stale in {args.out}: {', '.join(outdated)}; "
-                             f"run python deploy/generate.py\n")
-            return 1
-        return 0
-    write(files, args.out)
+        status = 0
+        for wanted, out_dir in outputs:
+            outdated = stale(wanted, out_dir)
+            if outdated:
+                sys.stderr.write(f"deploy/generate.py: stale in {out_dir}: {', '.join(outdated)}; "
+                                 f"run python deploy/generate.py\n")
+                status = 1
+        return status
+    for wanted, out_dir in outputs:
+        write(wanted, out_dir)
     return 0
 
 

@@ -346,7 +346,7 @@ class Agent:
         kube = self.kube_status
         stage, reason = stage_of(self.verdict, kube.taint_effect, kube.budget_blocked,
                                  NodeSide(kube.taint_action, kube.disruptive, kube.engine), self.stage, now,
-                                 self.settings.replace_noexecute_grace_seconds)
+                                 self.settings.replace_noexecute_grace_seconds, taints=kube.mode != "off")
         self.stage = self.stage.advance(stage, reason, now, self.wall())
         if self.telemetry is None:
             return

@@ -18,8 +18,12 @@ EXIT_CANNOT_RUN = 3
 
 
 def collect_once(settings: Settings) -> Collection:
-    """One collection from every configured source, as ``check`` and the demo show it."""
+    """One collection from every configured source, as ``check`` and the demo show it. It carries
+    the host's boot id, as the agent's do: rules that tell this boot from an earlier one (a
+    ConnectX reboot-class event that comes back after a reboot is a replacement) decide in
+    ``check`` as they decide in ``run`` on the same input."""
     from healthagent.agent import enrich_xid
+    from healthagent.sources.base import read_boot_id
     from healthagent.wiring import build_sources, expected_inventory
 
     now = time.time()
@@ -37,7 +41,7 @@ def collect_once(settings: Settings) -> Collection:
         rdma=tuple(p for r in results for p in r.rdma),
         adapter_events=tuple(e for r in results for e in r.adapter_events),
         health=tuple(r.health for r in results), expected_gpus=expected[0], expected_efa_devices=expected[1],
-        boot_time=boot_time,
+        boot_time=boot_time, boot_id=read_boot_id(settings.host_root),
     )
 
 

@@ -261,6 +261,9 @@ def _validate(s: Settings) -> None:
         raise bad("taint_key", f"{shown(s.taint_key)} is not a valid Kubernetes key: {problem}")
     if s.budget_scope_label and label_selector_problem(f"!{s.budget_scope_label}"):
         raise bad("budget_scope_label", f"{shown(s.budget_scope_label)} is not a label key")
+    if s.budget_scope_label.startswith(("healthagent.io/", "sagemaker.amazonaws.com/")):
+        raise bad("budget_scope_label", f"{shown(s.budget_scope_label)} is a label each node's agent may write on "
+                                        "its own node: a node could choose its pool")
     problem = label_selector_problem(s.budget_node_selector)
     if problem:
         raise bad("budget_node_selector", f"{shown(s.budget_node_selector)} is not a label selector: {problem}")

@@ -462,6 +462,9 @@ class KubeStatus:
     budget_slots_held: int | None = None
     # Condition types of the agent's that another writer holds now (the agent leaves them alone).
     conditions_owned_elsewhere: int = 0
+    # Decision-clock time of the next step the effects take by themselves (a grace's end, a held
+    # node's next look at the budget); None: none. The effects worker wakes then.
+    due_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,13 @@ class Scope:
     def lease_selector(self) -> str:
         return f"{BUDGET_LABEL},{SCOPE_LABEL}={self.id}" if self.id else BUDGET_LABEL
 
+    def of(self, node: Mapping) -> "Scope":
+        """The budget ``node`` counts in: its value of this scope's label, as the node has it."""
+        if not self.label:
+            return self
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        return Scope(self.label, str(labels.get(self.label) or ""))
+
     def node_selector(self, base: str) -> str:
         """The GPU nodes this budget counts: ``base`` (``budget_node_selector``) and the scope."""
         if not self.label:

@@ -6,8 +6,9 @@ the calls. This module runs the protocol for one node and keeps its timing:
 - ``holds_slot``: whether this node holds a slot, as last read or written (no request).
 - ``ask`` (while the node holds no slot and its plan has a disruptive step ahead, at most once per
   reconcile): ALLOWS when a slot is taken now; HOLDS when every slot is held, or the budget could
-  not be read (fail closed): the node is held at NoSchedule. A held node looks again only after a
-  jittered interval that stretches while it stays held (``recheck_interval``).
+  not be read (fail closed): the node is held at NoSchedule. A held node looks again after a
+  jittered interval that stretches while it stays held (``recheck_interval``), or within
+  ``FREED_SPREAD_SECONDS`` of a slot coming free (``effects/budget_watch.py`` wakes it).
 - ``slot_lost`` (right after the first node write that lands with a new slot): re-write the slot,
   so that a reclaim which judged it stale before the node's taint landed fails; True when the slot
   was reclaimed meanwhile, and the node goes back to held NoSchedule.
@@ -48,29 +49,36 @@ from healthagent.effects.budget import (
     slot_name,
 )
 from healthagent.effects.budget_leases import LeaseStore
-from healthagent.effects.budget_reclaim import Reclaimer
+from healthagent.effects.budget_reclaim import Evidence, Reclaimer
+from healthagent.effects.budget_watch import SlotWatch
 from healthagent.effects.node_desired import carries_no_execute, owned_taints
 from healthagent.effects.plan import Budget
 
 log = logging.getLogger(__name__)
 
 TAKE_ATTEMPTS = 4  # writes for a slot per question; each 409 means another node took one
+FREED_SPREAD_SECONDS = 1.0  # the held nodes that hear of a freed slot look within this, spread out
 
 
 class BudgetGuard:
     """May this node take its disruptive step (does it hold a slot), and the slot's upkeep."""
 
-    def __init__(self, leases: LeaseStore | None, *, node_name: str, taint_key: str, selector: str,
+    def __init__(self, leases: LeaseStore | None, *, node_name: str, evidence: Evidence, selector: str,
                  max_fraction: float, max_nodes: int | None, recheck_seconds: float, tally: ErrorTally,
-                 rng: random.Random, scope_label: str = "", grace_seconds: float = 120.0) -> None:
+                 rng: random.Random, scope_label: str = "", grace_seconds: float = 120.0,
+                 wake: Callable[[], None] | None = None, watch: bool = True) -> None:
         """``leases`` None: dry-run (no cluster view). ``scope_label``: count the budget per value
         of this node label (``Scope``; its value is read from the node at ``startup``).
         ``grace_seconds``: the grace before a disruptive step, which a holder may not pass
-        without taking it (``effects/budget_reclaim.py``)."""
+        without taking it, and ``evidence`` what shows that step (``effects/budget_reclaim.py``).
+        ``wake``: called from the budget's watch thread when a slot frees while the node is held
+        (``watch=False``: no watch, the timed looks only)."""
         self._store = leases
         self.scope = Scope(scope_label)
+        self._scope_read = False  # the node's value of the scope label is read (startup, else ask)
         self._node = node_name
-        self._taint_key = taint_key
+        self.evidence = evidence
+        self._taint_key = evidence.taint_key
         self._selector = selector
         self._fraction = max_fraction
         self._max_nodes = max_nodes
@@ -84,7 +92,9 @@ class BudgetGuard:
         self._count_due = False  # the shared count is old: re-count after this reconcile
         self._renew_due = False  # a slot taken (or its re-write failed): re-write it once the node write lands
         self._upkeep_at: float | None = None  # a failed release/re-write/count: not before this
-        self._reclaim = Reclaimer(node_name, taint_key, grace_seconds, rng)
+        self._reclaim = Reclaimer(node_name, evidence, grace_seconds, rng)
+        self._watch = SlotWatch(leases if watch else None, node_name=node_name, tally=tally, rng=random.Random(),
+                                on_freed=wake)
         self._verified: tuple[int, float] | None = None  # (GPU nodes, when): this agent's own count
         self._last_view: BudgetView | None = None
         self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
@@ -112,9 +122,7 @@ class BudgetGuard:
         looks again."""
         if self._store is None:
             return
-        if self.scope.label:
-            labels = (node.get("metadata") or {}).get("labels") or {}
-            self.scope = Scope(self.scope.label, str(labels.get(self.scope.label) or ""))
+        self.scope, self._scope_read = self.scope.of(node), True
         try:
             view = self._look(now)
             held = view.held_by(self._node)
@@ -131,16 +139,21 @@ class BudgetGuard:
             return
         self.settle(node, now, wants_slot=bool(owned_taints(node, self._taint_key)))
 
-    def ask(self, now: float) -> Budget:
-        """ALLOWS or HOLDS for the node's disruptive step; ALLOWS means this node holds a slot."""
+    def ask(self, now: float, node: dict | None = None) -> Budget:
+        """ALLOWS or HOLDS for the node's disruptive step; ALLOWS means this node holds a slot.
+        ``node``: its pool is read there when ``startup`` could not read the node."""
         if self._store is None:
             return Budget.ALLOWS
+        if node is not None and not self._scope_read:
+            self.scope, self._scope_read = self.scope.of(node), True
         if self._memo is not None:
             return self._memo
         if self.slot is not None:
             self._memo = Budget.ALLOWS
             return self._memo
         if self.recheck_at is not None and now < self.recheck_at:
+            if self._watch.take_freed():  # a slot came free: look soon
+                self.recheck_at = min(self.recheck_at, now + self._rng.uniform(0.0, FREED_SPREAD_SECONDS))
             return Budget.HOLDS
         try:
             slot = self._take(self._look(now), now)
@@ -208,6 +221,8 @@ class BudgetGuard:
         if self._store is None:
             return False
         keep = wants_slot and bool(owned_taints(node, self._taint_key))
+        if not keep:
+            self._watch.stop(0.0)  # no slot to wait for
         renew = keep and self._renew_due and self.slot is not None
         release = not keep and self.slot is not None
         if not (renew or release or self._count_due) or (self._upkeep_at is not None and now < self._upkeep_at):
@@ -241,6 +256,10 @@ class BudgetGuard:
         return {"budget_scope": self.scope.value if self.scope.label else "",
                 "budget_limit": view.limit if view is not None else None,
                 "budget_slots_held": len(view.holders) if view is not None else None}
+
+    def close(self) -> None:
+        """Stop waiting for a freed slot (the node got one or needs none, or the agent stops)."""
+        self._watch.stop()
 
     def node_gone(self) -> None:
         """The Node object is gone, and with it any taint: give the slot back (best effort; if
@@ -285,7 +304,7 @@ class BudgetGuard:
                                                                              store.namespace, "slot", self.scope)
                 body = held_lease(base, self._node, self._wall(now), acquired=True)
             else:
-                reclaim = None if judged else self._reclaim.pick(view, now, store.node)
+                reclaim = None if judged else self._reclaim.pick(view, now, store.node, self.scope)
                 judged = True
                 if reclaim is None:
                     self.note = view.describe()
@@ -360,12 +379,15 @@ class BudgetGuard:
         self._renew_due = False
         self._holds += 1
         self.recheck_at = now + self._delay()
+        self._watch.follow(self.scope)  # held: hear of a slot coming free
         return True
 
     def _answer(self, slot: Slot | None, now: float) -> Budget:
         if slot is not None:
             self.slot, self._holds, self.recheck_at = slot, 0, None
+            self._watch.stop(0.0)
             return Budget.ALLOWS
+        self._watch.follow(self.scope)  # held: hear of a slot coming free
         self._holds += 1
         self.recheck_at = now + self._delay()
         judgement = self._reclaim.next_judgement(self._last_view, now) if self._last_view else None

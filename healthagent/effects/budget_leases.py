@@ -11,6 +11,8 @@ not grow with the cluster except for the count, which the fleet shares:
   update    take, re-write or give back a slot, with the ``resourceVersion`` read: 409 when it
             changed meanwhile
   get       one Lease after a 409; one holder's node before reclaiming its slot
+  watch     the budget's Leases, only while this node is held (``effects/budget_watch.py``): a
+            slot freed wakes it at once; from the watch cache (``resourceVersion=0``)
   count     ``LIST nodes`` as a server-side Table without the objects (``includeObject=None``):
             a row of a few hundred bytes a node, not the ~10 kB Node; one agent of the fleet,
             at most every ten minutes
@@ -26,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from healthagent.effects.backend import ApiBackend, ApiRejected, ApiUnavailable
+from healthagent.effects.backend import WATCH_READ_SLACK_SECONDS, ApiBackend, ApiRejected, ApiUnavailable, WatchStream
 from healthagent.effects.budget import BUDGET_LABEL
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -67,6 +69,16 @@ class LeaseStore:
         if not isinstance(items, list):
             raise ApiUnavailable("lease list reply has no items")
         return [i for i in items if isinstance(i, dict)]
+
+    def watch(self, selector: str, timeout_seconds: int) -> WatchStream:
+        """Open a watch on the budget's Leases (``selector``) from the watch cache's current state:
+        each Lease first as ADDED, then every change, until the server ends it after
+        ``timeout_seconds``."""
+        backend = self._backend
+        response = backend._send(self.leases.list_namespaced_lease, self.namespace, label_selector=selector,
+                                 watch=True, resource_version="0", timeout_seconds=timeout_seconds,
+                                 _request_timeout=(backend.timeout[0], timeout_seconds + WATCH_READ_SLACK_SECONDS))
+        return WatchStream(response)
 
     def read(self, name: str) -> dict:
         return self._backend._call(self.leases.read_namespaced_lease, name, self.namespace)

@@ -10,12 +10,21 @@ what this agent sees, in this order:
 2. **Young slots are not judged.** A slot this agent has seen unchanged for less than
    ``SLOT_GRACE_SECONDS`` of its own decision clock may be a decision in flight: the slot is
    taken a moment before the holder's taint lands.
-3. **The holder's Node decides** (one GET): the slot is stale when the Node is gone, carries no
-   taint of the agent's, or has carried the taint for longer than the disruptive step's grace
-   (``replace_noexecute_grace_seconds``) plus ``SLOT_GRACE_SECONDS`` without showing any
-   disruptive step (the agent's ``NoExecute``, HyperPod's ``UnschedulablePending*``, a gated
-   vocabulary's condition ``False``): a holder whose agent stopped after its ``NoSchedule``, or a
-   node that tainted itself to squat on a slot.
+3. **The holder's Node decides** (one GET, done before the judgement: ``holder_verdict`` is
+   pure): the slot is stale when the Node is gone, is not in the slot's pool (a scoped budget:
+   the Node's value of the scope label, as the API server has it, differs from the budget's; a
+   slot says nothing trustworthy about its holder's pool, any node can write any pool's slot),
+   carries no taint of the agent's, or has carried the taint for longer than the disruptive
+   step's grace (``replace_noexecute_grace_seconds``) plus ``SLOT_GRACE_SECONDS`` without
+   showing a disruptive step: a holder whose agent stopped after its ``NoSchedule``, or a node
+   that tainted itself to squat on a slot.
+
+What counts as a disruptive step is ``Evidence``, the one rule the remediation stage uses too:
+the agent's ``NoExecute`` (it evicts the node's pods, whoever wrote it: a node that puts it on
+itself is out, one node of the limit), HyperPod's ``UnschedulablePending*`` only where the agent
+asks HyperPod (``hyperpod_labels``), and a gated vocabulary's condition ``False`` only in the
+vocabulary the agent writes. Elsewhere no engine reads those marks, and a node's own credentials
+can write both about itself: a squat dressed up as a repair request is still a squat.
 
 What a stale slot becomes depends on where it lies. Only a slot under the limit lets its holder
 take the disruptive step (at most ``limit`` such Leases exist, which is what keeps the budget
@@ -35,15 +44,51 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
-from healthagent.effects.budget import SLOT_GRACE_SECONDS, BudgetView, Slot
-from healthagent.effects.conditions import VOCABULARIES
+from healthagent.effects.budget import FLEET, SLOT_GRACE_SECONDS, BudgetView, Scope, Slot
+from healthagent.effects.conditions import vocabulary
 from healthagent.effects.hyperpod import HYPERPOD_HEALTH_LABEL, HYPERPOD_PENDING_REBOOT, HYPERPOD_PENDING_REPLACEMENT
 from healthagent.effects.node_desired import carries_no_execute, labels_of, owned_taints
 
 LIVE_HOLDER_SECONDS = 300.0  # a holder seen taking its disruptive step is not looked at again for this long
-GATED_TYPES = frozenset(t for v in VOCABULARIES.values() if v.gated for t in v.types)
+
+
+class EngineSettings(Protocol):
+    """The settings that say which engines the agent hands nodes to."""
+
+    taint_key: str
+    hyperpod_labels: bool
+    condition_vocabulary: str
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Which marks on a node show a disruptive step, for the engines this agent is configured
+    for (the fleet shares one configuration): the agent's ``NoExecute`` under ``taint_key``
+    always; HyperPod's pending value only with ``hyperpod``; a condition ``False`` only for the
+    ``gated_types`` of the vocabulary the agent writes (none in a vocabulary no engine acts on)."""
+
+    taint_key: str
+    hyperpod: bool = False
+    gated_types: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, settings: "EngineSettings") -> "Evidence":
+        """From the agent's ``Settings`` (or a plan's ``PlanSettings``)."""
+        vocab = vocabulary(settings.condition_vocabulary)
+        return cls(settings.taint_key, settings.hyperpod_labels, frozenset(vocab.types) if vocab.gated else frozenset())
+
+    def hyperpod_requested(self, node: Mapping) -> bool:
+        """Does ``node`` ask HyperPod to reboot or replace it, with HyperPod in use?"""
+        return self.hyperpod and labels_of(node).get(HYPERPOD_HEALTH_LABEL) in (HYPERPOD_PENDING_REPLACEMENT,
+                                                                                HYPERPOD_PENDING_REBOOT)
+
+    def repair_requested(self, node: Mapping) -> bool:
+        """Does ``node`` carry a gated condition ``False`` that the configured engine repairs on?"""
+        conditions = (node.get("status") or {}).get("conditions") or []
+        return any(isinstance(c, Mapping) and c.get("type") in self.gated_types and c.get("status") == "False"
+                   for c in conditions)
 
 
 @dataclass(frozen=True)
@@ -67,36 +112,54 @@ def duplicate_slots(view: BudgetView) -> list[Slot]:
     return extra
 
 
-def shows_disruptive_step(node: Mapping, taint_key: str) -> bool:
-    """Does ``node`` show a disruptive step under any vocabulary the agent writes?"""
-    if carries_no_execute(node, taint_key):
-        return True
-    if labels_of(node).get(HYPERPOD_HEALTH_LABEL) in (HYPERPOD_PENDING_REPLACEMENT, HYPERPOD_PENDING_REBOOT):
-        return True
-    conditions = (node.get("status") or {}).get("conditions") or []
-    return any(isinstance(c, Mapping) and c.get("type") in GATED_TYPES and c.get("status") == "False"
-               for c in conditions)
+def shows_disruptive_step(node: Mapping, evidence: Evidence) -> bool:
+    """Does ``node`` show a disruptive step that takes it out (``Evidence``)?"""
+    return carries_no_execute(node, evidence.taint_key) or evidence.hyperpod_requested(node) or \
+        evidence.repair_requested(node)
 
 
-def holder_verdict(holder: Mapping | None, taint_key: str, seen_for: float, grace_seconds: float) -> str:
-    """Why the slot of ``holder`` (its Node, None when gone) is stale, or "" while it stands.
+def in_pool(node: Mapping, scope: Scope) -> bool:
+    """Is ``node`` one of the nodes ``scope`` counts, by its own label as the API server has it
+    (the fleet's budget counts every node; a scoped one the nodes with its value, "" the nodes
+    without the label)?"""
+    return scope.of(node) == scope
+
+
+def holder_verdict(holder: Mapping | None, seen_for: float, evidence: Evidence, grace_seconds: float,
+                   scope: Scope = FLEET) -> str:
+    """Why the slot of ``holder`` (its Node as just read, None when gone) is stale, or "" while it
+    stands: the whole judgement of a holder, from what the API server says of its Node.
     ``seen_for``: how long this agent has seen the slot unchanged."""
     if holder is None:
         return "its node is gone"
-    if not owned_taints(holder, taint_key):
+    if not in_pool(holder, scope):
+        found = labels_of(holder).get(scope.label)
+        return (f"its node is not in this budget's pool {scope.label}={scope.value!r} "
+                f"(its label says {found!r})")
+    if not owned_taints(holder, evidence.taint_key):
         return "its node carries no taint of the agent's"
-    if seen_for >= grace_seconds + SLOT_GRACE_SECONDS and not shows_disruptive_step(holder, taint_key):
+    if seen_for >= grace_seconds + SLOT_GRACE_SECONDS and not shows_disruptive_step(holder, evidence):
         return (f"its node has held the slot for {seen_for:.0f} s, past the {grace_seconds:.0f} s grace, "
                 "without taking a disruptive step")
     return ""
 
 
+def stands_until(holder: Mapping | None, seen_for: float, evidence: Evidence, grace_seconds: float,
+                 now: float) -> float:
+    """Until when a holder judged standing is not read again: a while, but never past the moment
+    its grace (and the slot grace) could end without a disruptive step."""
+    until = now + LIVE_HOLDER_SECONDS
+    if holder is not None and not shows_disruptive_step(holder, evidence):
+        until = min(until, max(now, now + grace_seconds + SLOT_GRACE_SECONDS - seen_for))
+    return until
+
+
 class Reclaimer:
     """Remembers when this agent first saw each held slot, and which holders it found live."""
 
-    def __init__(self, node_name: str, taint_key: str, grace_seconds: float, rng: random.Random) -> None:
+    def __init__(self, node_name: str, evidence: Evidence, grace_seconds: float, rng: random.Random) -> None:
         self._node = node_name
-        self._taint_key = taint_key
+        self._evidence = evidence
         self._grace = grace_seconds
         self._rng = rng
         self._first_seen: dict[str, tuple[str, float]] = {}  # slot -> (version, since), decision clock
@@ -115,26 +178,27 @@ class Reclaimer:
         version, since = self._first_seen.get(slot.name, ("", now))
         return max(0.0, now - since) if version == slot.version else 0.0
 
-    def pick(self, view: BudgetView, now: float, read_node: Callable[[str], Mapping | None]) -> Reclaim | None:
-        """One slot to take back, most useful first: a duplicate under the limit (no request), one
-        old-enough slot whose holder's Node (one ``read_node``) says it is stale, a duplicate past
-        the limit; None when every holder stands, or taking a slot would put more nodes than the
-        limit past NoSchedule."""
+    def pick(self, view: BudgetView, now: float, read_node: Callable[[str], Mapping | None],
+             scope: Scope = FLEET) -> Reclaim | None:
+        """One slot of ``scope``'s budget to take back, most useful first: a duplicate under the
+        limit (no request), one old-enough slot whose holder's Node (one ``read_node``) says it is
+        stale, a duplicate past the limit; None when every holder stands, or taking a slot would
+        put more nodes than the limit past NoSchedule."""
         holders = len(view.holders)
         duplicates = [s for s in self._shuffled(duplicate_slots(view)) if s.holder != self._node]
         why_duplicate = "its holder holds a lower slot too (one slot a node)"
         for slot in duplicates:
             if slot.index < view.limit and holders < view.limit:
                 return Reclaim(slot, why_duplicate, grant=True)
-        judged = self._judge(view, now, read_node, holders)
+        judged = self._judge(view, now, read_node, holders, scope)
         if judged is not None:
             return judged
         spare = [s for s in duplicates if s.index >= view.limit]
         return Reclaim(spare[0], why_duplicate, grant=False) if spare else None
 
     def _judge(self, view: BudgetView, now: float, read_node: Callable[[str], Mapping | None],
-               holders: int) -> Reclaim | None:
-        """One old-enough slot judged by a GET of its holder's Node."""
+               holders: int, scope: Scope) -> Reclaim | None:
+        """One old-enough slot: its holder's Node read first (one GET), then ``holder_verdict``."""
         candidates = [s for s in view.held if s.holder != self._node and not self._stood(s, now)
                       and self.age(s, now) >= SLOT_GRACE_SECONDS
                       and (s.index >= view.limit or holders <= view.limit)]
@@ -144,15 +208,10 @@ class Reclaimer:
         slot = self._rng.choice(under or candidates)
         seen_for = self.age(slot, now)
         holder = read_node(slot.holder)
-        why = holder_verdict(holder, self._taint_key, seen_for, self._grace)
+        why = holder_verdict(holder, seen_for, self._evidence, self._grace, scope)
         if why:
             return Reclaim(slot, why, grant=slot.index < view.limit)
-        # Not looked at again for a while, but never past the moment it could be judged stuck.
-        judge_again = now + self._grace + SLOT_GRACE_SECONDS - seen_for
-        until = now + LIVE_HOLDER_SECONDS
-        if holder is not None and not shows_disruptive_step(holder, self._taint_key):
-            until = min(until, max(now, judge_again))
-        self._live[slot.name] = (slot.version, until)
+        self._live[slot.name] = (slot.version, stands_until(holder, seen_for, self._evidence, self._grace, now))
         return None
 
     def _shuffled(self, slots: list[Slot]) -> list[Slot]:

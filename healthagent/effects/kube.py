@@ -1,12 +1,11 @@
 """Node effects: reconcile the agent's own node to the verdict through the ``kubernetes`` client.
 
-``NodeEffects(settings, api_client, state)`` is driven by the loop's effects thread:
-``startup(now, boot_id)`` once, then ``reconcile(verdict, now, boot_id)`` whenever the verdict
-changes, whenever ``on_change`` fires, and every few seconds anyway; ``close()`` at shutdown.
-Neither ever raises: API errors are counted in ``KubeStatus.writes`` and logged, the desired state
-is kept and ``pending_writes`` says how much of it is not on the node yet; the next reconcile tries
-again. ``api_client=None`` is ``--kube dry-run``: the same decisions, logged one line per intended
-write, with no network at all (and no watch).
+``NodeEffects(settings, api_client, state)`` is driven by the loop's effects thread: ``startup``
+once, then ``reconcile(verdict, now, boot_id)`` when the verdict changes, ``on_change`` fires or
+``KubeStatus.due_at`` comes (a grace's end), and every few seconds anyway; ``close()`` at shutdown.
+Neither raises: API errors are counted and logged, the desired state is kept (``pending_writes``:
+how much is not on the node yet) for the next reconcile. ``api_client=None`` is ``--kube dry-run``:
+the same decisions, logged one line per intended write, with no network (and no watch).
 
 The node as last seen is a cache kept current by ONE watch on the agent's own node
 (``effects/node_watch.py``, started by ``startup``): operator actions and foreign changes arrive
@@ -51,6 +50,7 @@ from healthagent.effects.backend import (
 )
 from healthagent.effects.budget_guard import BudgetGuard
 from healthagent.effects.budget_leases import LeaseStore, agent_namespace
+from healthagent.effects.budget_reclaim import Evidence
 from healthagent.effects.conditions import identify, vocabulary
 from healthagent.effects.events import EVENTS_NAMESPACE, EventLedger, EventSpec, event_body
 from healthagent.effects.node_desired import NO_EXECUTE, carries_no_execute, owned_taints, owned_view
@@ -65,6 +65,7 @@ from healthagent.effects.step import (
     Step,
     StepContext,
     asks_budget,
+    due_at,
     observe,
     plan_for,
     report_findings,
@@ -106,9 +107,9 @@ class NodeEffects:
         watch_timeout_seconds: tuple[int, int] = WATCH_TIMEOUT_SECONDS,
         watch_backoff: tuple[float, float] = BACKOFF_SECONDS,
     ) -> None:
-        """``on_change`` (also settable later as the attribute, from the loop's effects worker) is
-        called from the watch thread when the node changes in a way a reconcile must see; it
-        must only wake the caller. ``watch=False`` keeps the read-on-a-timer behaviour (tests
+        """``on_change`` (also settable later, by the loop's effects worker) is called from a watch
+        thread when a reconcile must look (the node changed, a budget slot freed); it must only
+        wake the caller. ``watch=False`` keeps the read-on-a-timer behaviour of both watches (tests
         that drive time through ``now`` and count every request use it)."""
         self.settings = settings
         if not settings.node_name:  # in a pod the hostname is the pod's name: never guess the node
@@ -136,7 +137,7 @@ class NodeEffects:
         self._vocabulary = vocabulary(settings.condition_vocabulary)
         leases = None if self.dry_run else LeaseStore(self.backend, agent_namespace(settings.budget_namespace))
         self.budget = BudgetGuard(
-            leases, node_name=self.node_name, taint_key=settings.taint_key,
+            leases, node_name=self.node_name, evidence=Evidence.of(settings), wake=self._changed, watch=watch,
             selector=settings.budget_node_selector, max_fraction=settings.budget_max_fraction,
             max_nodes=settings.budget_max_nodes, recheck_seconds=budget_recheck_seconds, tally=self._tally,
             rng=rng, scope_label=settings.budget_scope_label, grace_seconds=settings.replace_noexecute_grace_seconds)
@@ -195,9 +196,10 @@ class NodeEffects:
         return self.status()
 
     def close(self) -> None:
-        """Stop the watch (the loop's shutdown). The effects stay usable, reading on a timer."""
+        """Stop the watches (the loop's shutdown). The effects stay usable, reading on a timer."""
         if self._watch is not None:
             self._watch.stop()
+        self.budget.close()
 
     @property
     def watching(self) -> bool:
@@ -239,8 +241,7 @@ class NodeEffects:
         return now + self._wall_offset
 
     def _changed(self) -> None:
-        callback = self.on_change
-        if callback is not None:
+        if (callback := self.on_change) is not None:
             callback()
 
     def _owned_view(self, node: dict | None) -> tuple:
@@ -325,7 +326,7 @@ class NodeEffects:
         if self.budget.holds_slot:
             return Budget.ALLOWS
         if asks_budget(self.record, self._verdict, node, self._plan_settings):
-            return self.budget.ask(now)
+            return self.budget.ask(now, node)
         return Budget.UNASKED
 
     def _step(self, node: dict, now: float, confirm: bool = True) -> Step:
@@ -478,10 +479,8 @@ class NodeEffects:
         return clear.token if clear is not None else ""
 
     def _save(self) -> None:
-        ledger = self.ledger.to_state()
-        self.state.put(STATE_KEY, self.record.to_state({
-            "emitted": ledger["emitted"], "outbox": ledger["outbox"],
-            "dry_run_node": self.backend.node if self.dry_run else None}))
+        self.state.put(STATE_KEY, self.record.to_state({  # the ledger's "emitted" and "outbox"
+            **self.ledger.to_state(), "dry_run_node": self.backend.node if self.dry_run else None}))
         self.state.flush()
 
     def status(self) -> KubeStatus:
@@ -494,6 +493,7 @@ class NodeEffects:
             writes=dict(self.writer.writes), pending_writes=self._pending + len(self.ledger.outbox),
             clear_pending=self.pending_clear() or self.record.clear_to_write,
             watching=self.watching, api_errors=self.api_errors, **self.budget.figures(),
-            **vars(node_side(node, self.settings.taint_key)),
-            conditions_owned_elsewhere=sum(not w.released for w in self.record.foreign))
+            **vars(node_side(node, self.budget.evidence)),
+            conditions_owned_elsewhere=sum(not w.released for w in self.record.foreign),
+            due_at=due_at(self.record, self.settings.replace_noexecute_grace_seconds, self.budget.recheck_at))
 

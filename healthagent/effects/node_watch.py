@@ -91,6 +91,26 @@ def parse_event(line: str) -> tuple[str, dict]:
     return event["type"], event["object"]
 
 
+def status_error(status: dict) -> ApiError:
+    """The error a watch's ERROR event carries (its object is a Status)."""
+    code = status.get("code")
+    return classify_status(code if isinstance(code, int) else 0, str(status.get("reason") or ""),
+                           str(status.get("message") or ""))
+
+
+def read_events(stream: Any, stopping: threading.Event, handle: Callable[[str, dict], None]) -> int:
+    """Hand each event of ``stream`` to ``handle`` until the server ends it, or ``stopping`` is
+    set; how many were handled. A line that is not an event raises ``BadEvent``."""
+    events = 0
+    for line in stream.lines():
+        if stopping.is_set():
+            break
+        if line.strip():
+            handle(*parse_event(line))
+            events += 1
+    return events
+
+
 class NodeCache:
     """The latest Node object seen; thread-safe. Objects handed out are shared: read-only."""
 
@@ -264,12 +284,7 @@ class NodeWatch:
             if self._stopping.is_set():
                 return True
             self._set_live(True)
-            for line in stream.lines():
-                if self._stopping.is_set():
-                    break
-                if line.strip():
-                    self._handle(*parse_event(line))
-                    events += 1
+            events = read_events(stream, self._stopping, self._handle)
         except ApiError:
             if self._stopping.is_set():
                 return True  # ``stop`` cut the stream: no failure to count
@@ -282,9 +297,7 @@ class NodeWatch:
 
     def _handle(self, kind: str, obj: dict) -> None:
         if kind == "ERROR":  # the object is a Status
-            code = obj.get("code")
-            raise classify_status(code if isinstance(code, int) else 0, str(obj.get("reason") or ""),
-                                  str(obj.get("message") or ""))
+            raise status_error(obj)
         version = resource_version(obj)
         if kind == "BOOKMARK":
             pass

@@ -7,7 +7,10 @@ verdict and what the node object shows, never kept as a second truth beside them
   healthy          no open finding, no taint of the agent's
   observing        open findings, none of which takes the node out (monitor, restart_app,
                    reset_gpu)
-  cordoned         the agent's NoSchedule: new pods stay off, the job's grace runs
+  cordoned         the agent's NoSchedule: new pods stay off, the job's grace runs. A finding
+                   that takes the node out is ``cordoned`` from the moment it opens, while its
+                   taint is on its way (a write on the effects thread a moment later): a
+                   fault moves healthy -> cordoned, never through ``observing``
   held_by_budget   NoSchedule past the grace: the disruptive step is due and the disruption
                    budget has no slot for it
   disrupting       the agent's disruptive step is on the node (NoExecute evicts the job's
@@ -15,8 +18,10 @@ verdict and what the node object shows, never kept as a second truth beside them
   handed_off       an engine has the node: it cordoned or drained it (``spec.unschedulable``, which
                    the agent never sets), Karpenter's ``karpenter.sh/disrupted`` taint is on, or the
                    agent's request is one an engine acts on by itself (HyperPod's
-                   ``UnschedulablePending*``, a gated condition ``False`` that node repair acts on
-                   after its toleration)
+                   ``UnschedulablePending*`` with ``hyperpod_labels``, a gated condition ``False``
+                   in the ``eks`` vocabulary, which node repair acts on after its toleration). An
+                   engine the agent is not configured for is no hand-off: its marks are any
+                   node's to write about itself (``budget_reclaim.Evidence``)
   rebooting        a reboot_node's disruptive step is on: the node waits for a new boot id
   cleared          the agent's taint came off (healed, or an operator's clear), for
                    ``CLEARED_HOLD_SECONDS``: nodes returning to service stay visible
@@ -34,9 +39,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from healthagent.effects.budget_reclaim import GATED_TYPES, shows_disruptive_step
-from healthagent.effects.hyperpod import HYPERPOD_HEALTH_LABEL, HYPERPOD_PENDING_REBOOT, HYPERPOD_PENDING_REPLACEMENT
-from healthagent.effects.node_desired import NO_EXECUTE, labels_of, owned_taints
+from healthagent.effects.budget_reclaim import Evidence, shows_disruptive_step
+from healthagent.effects.node_desired import NO_EXECUTE, owned_taints
 from healthagent.model import Action, Verdict
 
 HEALTHY, OBSERVING, CORDONED, HELD_BY_BUDGET = "healthy", "observing", "cordoned", "held_by_budget"
@@ -68,38 +72,39 @@ class NodeSide:
     engine: str = ""  # who has the node: karpenter | drain | hyperpod | node-repair | ""
 
 
-def node_side(node: Mapping | None, taint_key: str) -> NodeSide:
-    """The pipeline as ``node`` shows it (None: not read yet)."""
+def node_side(node: Mapping | None, evidence: Evidence) -> NodeSide:
+    """The pipeline as ``node`` shows it (None: not read yet), for the engines configured."""
     if not node:
         return NodeSide()
-    taints = owned_taints(node, taint_key)
+    taints = owned_taints(node, evidence.taint_key)
     action = str(taints[0].get("value") or "") if taints else ""
-    return NodeSide(action, shows_disruptive_step(node, taint_key), engine_of(node))
+    return NodeSide(action, shows_disruptive_step(node, evidence), engine_of(node, evidence))
 
 
-def engine_of(node: Mapping) -> str:
+def engine_of(node: Mapping, evidence: Evidence) -> str:
     """Which engine has visibly taken the node, if any: its own action first (Karpenter's
-    disrupted taint, a cordon by a drain), then a request an engine acts on by itself."""
+    disrupted taint, a cordon by a drain), then a request that an engine the agent is
+    configured for acts on by itself."""
     spec = node.get("spec") or {}
     if any(isinstance(t, Mapping) and t.get("key") == KARPENTER_DISRUPTED_TAINT for t in spec.get("taints") or []):
         return "karpenter"
     if spec.get("unschedulable") is True:
         return "drain"
-    if labels_of(node).get(HYPERPOD_HEALTH_LABEL) in (HYPERPOD_PENDING_REPLACEMENT, HYPERPOD_PENDING_REBOOT):
+    if evidence.hyperpod_requested(node):
         return "hyperpod"
-    conditions = (node.get("status") or {}).get("conditions") or []
-    if any(isinstance(c, Mapping) and c.get("type") in GATED_TYPES and c.get("status") == "False"
-           for c in conditions):
+    if evidence.repair_requested(node):
         return "node-repair"
     return ""
 
 
 def stage_of(verdict: Verdict | None, taint_effect: str, budget_blocked: bool, side: NodeSide,
-             previous: "StageHistory", now: float, grace_seconds: float = 0.0) -> tuple[str, str]:
+             previous: "StageHistory", now: float, grace_seconds: float = 0.0, *,
+             taints: bool = True) -> tuple[str, str]:
     """(stage, reason) for the node now. The reason is short and bounded: a finding code, an
     engine, ``budget``; never free text (it is a metric label). A node the budget holds is
     ``cordoned`` while its grace (``grace_seconds`` since it was first seen tainted) runs: the
-    budget matters only once the disruptive step is due."""
+    budget matters only once the disruptive step is due. ``taints``: the agent writes its taint
+    (not ``--kube off``), so a node action in the verdict is ``cordoned`` before the taint lands."""
     leading = _leading_code(verdict)
     if taint_effect:
         due = previous.tainted_since is not None and now - previous.tainted_since >= grace_seconds
@@ -111,6 +116,9 @@ def stage_of(verdict: Verdict | None, taint_effect: str, budget_blocked: bool, s
             return (REBOOTING, leading or Action.REBOOT_NODE.value) if side.taint_action == Action.REBOOT_NODE.value \
                 else (DISRUPTING, leading or side.taint_action or "taint")
         return CORDONED, leading or side.taint_action or "taint"
+    if taints and verdict is not None and verdict.action.needs_node_action and \
+            previous.stage in (HEALTHY, OBSERVING, CORDONED):
+        return CORDONED, leading  # its taint is on its way (or an operator's clear is, to policy)
     if previous.stage in TAINTED_STAGES or (previous.stage == CLEARED and now - previous.entered < CLEARED_HOLD_SECONDS):
         if verdict is None or not verdict.findings or previous.stage == CLEARED:
             return CLEARED, previous.reason if previous.stage == CLEARED else "taint_removed"

@@ -19,6 +19,14 @@ later save fail), nested deeper than the state ever is, or not a JSON object is 
 ENOSPC on write, a failing fsync, an fsync that hangs) is counted and logged at most once a
 minute per kind; the agent goes on detecting and acting with its state in memory, and the next
 save tries again.
+
+**The cap never costs a node action.** The state stays far under ``max_bytes`` by design: every
+finding's subject taken from text or sysfs is bounded (``healthagent/bounded_names.py``) and so are
+the histories. Should a state still outgrow the cap, what is written is trimmed, never skipped:
+the classifier's findings are dropped mildest first (then the oldest), and its histories after
+them, but a ``reboot_node`` or ``replace_node`` finding is never dropped; the drop is counted
+``trimmed``. Only a state whose severe findings alone pass the cap is not written (``too_large``).
+The trim touches only what is written: the state in memory stays whole.
 """
 
 from __future__ import annotations
@@ -33,11 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from healthagent.common import ErrorTally, atomic_write
+from healthagent.model import Action
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 64  # the state nests about ten deep; far deeper is garbage (and would exhaust the parser)
+# The classifier's parts a trim may empty once its mild findings are gone (histories, pairing
+# memory): losing them costs a restart some context, never a finding.
+CLASSIFIER_HISTORIES = ("incidents", "gpus", "efa", "rdma", "known_gpus", "known_efa")
 # How long a caller waits for one write. A healthy disk takes milliseconds; a dying one can hang
 # an fsync for minutes, and the loop must go on detecting and the effects acting meanwhile.
 WRITE_WAIT_SECONDS = 2.0
@@ -79,6 +91,7 @@ class StateStore:
         self._lock = threading.Lock()  # guards _data
         self._flush_lock = threading.Lock()  # orders snapshot + rename between threads
         self._last_written: bytes | None = None
+        self._last_over_cap: bytes | None = None  # the whole state whose trimmed form was written last
         self._tally = ErrorTally("state")
 
     @property
@@ -180,10 +193,17 @@ class StateStore:
                            + "}").encode("utf-8")
             if payload == self._last_written:
                 return True
+            whole = payload
             if len(payload) > self.max_bytes:
-                self._tally.count("too_large", f"path={self.path} state is {len(payload)} bytes, over "
-                                               f"{self.max_bytes}; not written")
-                return False
+                if whole == self._last_over_cap:
+                    return True  # its trimmed form is what the file holds
+                trimmed = self._trimmed(len(payload))
+                if trimmed is None:
+                    self._tally.count("too_large", f"path={self.path} state is {len(payload)} bytes, over "
+                                                   f"{self.max_bytes}, even without its mild findings; "
+                                                   "not written")
+                    return False
+                payload = trimmed
             if self._writing is not None and self._writing.is_alive():
                 self._tally.count("slow", f"path={self.path} the previous write has not finished; keeping "
                                           "state in memory")
@@ -198,7 +218,9 @@ class StateStore:
                 self._tally.count("slow", f"path={self.path} write not done after {self.write_wait_seconds:g} s "
                                           "(a failing disk?); going on with state in memory")
                 return False
-            return bool(done and done[0])
+            written = bool(done and done[0])
+            self._last_over_cap = whole if written and payload is not whole else None
+            return written
 
     def _write_in_background(self, payload: bytes, done: list[bool]) -> None:
         """One write, on its own thread: a disk that hangs (a dying NVMe can take minutes to fail
@@ -213,8 +235,59 @@ class StateStore:
         self._last_written = payload  # one write at a time: never an older payload over a newer
         done.append(True)
 
+    def _trimmed(self, size: int) -> bytes | None:
+        """The state to write when it is ``size`` bytes, over the cap: the classifier's findings
+        mildest and oldest first, then its histories, dropped until it fits; never a finding of
+        ``reboot_node`` or worse. None when it cannot fit."""
+        with self._lock:
+            data = dict(self._data)
+        text = data.get("classifier")
+        if text is None:
+            return None
+        classifier = json.loads(text)
+        entries = (classifier.get("book") or {}).get("entries") if isinstance(classifier, dict) else None
+        if not isinstance(entries, dict):
+            return None
+        excess = size - self.max_bytes
+        dropped = 0
+        for key in sorted(entries, key=lambda k: _trim_order(entries[k])):
+            if excess <= 0 or _severity(entries[key]) >= Action.REBOOT_NODE.severity:
+                break
+            excess -= len(_encode(key)) + len(_encode(entries.pop(key))) + 2
+            dropped += 1
+        for part in CLASSIFIER_HISTORIES:
+            if excess <= 0:
+                break
+            if part in classifier:
+                before = len(_encode(classifier[part]))
+                classifier[part] = {}
+                excess -= before - 2
+        data["classifier"] = _encode(classifier)
+        payload = ("{" + ",".join(f"{json.dumps(key)}:{data[key]}" for key in sorted(data)) + "}").encode("utf-8")
+        if len(payload) > self.max_bytes:
+            return None
+        self._tally.count("trimmed", f"path={self.path} state of {size} bytes is over {self.max_bytes}: "
+                                     f"{dropped} mild finding(s) left out of the file (kept in memory; "
+                                     "reboot_node and replace_node findings are always written)")
+        return payload
+
     def _write(self, payload: bytes) -> None:
         atomic_write(self.path, payload)
+
+
+def _severity(entry: Any) -> int:
+    """A saved finding's action's severity; one that cannot be read counts as the most severe
+    (kept: a trim must not guess a finding away)."""
+    try:
+        return Action.parse(entry["action"]).severity
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return Action.REPLACE_NODE.severity
+
+
+def _trim_order(entry: Any) -> tuple[int, float]:
+    """Mildest first, then the least recently seen."""
+    last_seen = entry.get("last_seen", 0.0) if isinstance(entry, dict) else 0.0
+    return _severity(entry), float(last_seen) if isinstance(last_seen, (int, float)) else 0.0
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from healthagent.effects.events import (
 from healthagent.effects.node_desired import (
     CLEAR_ANNOTATION,
     NO_EXECUTE,
+    NO_SCHEDULE,
     TAINT_ACTIONS,
     grace_start,
     owned_taints,
@@ -117,6 +118,17 @@ def report_findings(state: EffectsState, findings: Iterable[Finding], wall: floa
             continue
         state = state.with_reported(finding.key, finding.action.value)
     return state, tuple(specs), tuple(notes)
+
+
+def due_at(state: EffectsState, grace_seconds: float, recheck_at: float | None) -> float | None:
+    """When the effects next act by themselves, on the decision clock: the end of the grace of the
+    agent's NoSchedule on the node (NoExecute, HyperPod's pending value and a gated condition are
+    written then), or a held node's next look at the budget (``recheck_at``), whichever comes
+    first. A time already past is the caller's to ignore: a step due then did not happen (held)."""
+    times = [recheck_at] if recheck_at is not None else []
+    if state.taint is not None and state.taint.effect == NO_SCHEDULE and grace_seconds > 0:
+        times.append(state.taint.since + grace_seconds)
+    return min(times) if times else None
 
 
 def asks_budget(state: EffectsState, verdict: Verdict | None, node: dict, settings: PlanSettings) -> bool:

@@ -4,9 +4,11 @@ Why a thread of its own: an API server that is slow (10 s a request) or down mus
 detection or the exporter, so the loop only hands the verdict over (``submit``) and goes on. The
 worker always works on the newest verdict (coalescing): a burst of forty XIDs costs one reconcile,
 not forty. It also reconciles every ``retry_seconds`` anyway, which retries writes queued during an
-outage and moves a replace_node taint from NoSchedule to NoExecute when its grace has passed; and
-at once when the effects' node watch sees an operator (or another controller) change what the
-effects own (``wake``), so a clear applies now, not on the next retry.
+outage; at the moment the effects name as due (``KubeStatus.due_at``: a grace's end, when a
+replace_node taint moves from NoSchedule to NoExecute, or a held node's next look at the budget),
+so a timed step is taken on time, not up to a retry later; and at once when a watch of the
+effects sees an operator (or another controller) change what the effects own, or a budget slot
+free (``wake``), so a clear applies now, not on the next retry.
 
 What it drives is ``effects.kube.NodeEffects`` (the ``Effects`` protocol below); the wiring
 (``healthagent/wiring.py``) builds both and connects the watch's ``on_change`` to ``wake``.
@@ -91,6 +93,7 @@ class EffectsWorker:
         # Replaced whole (never mutated) by the worker thread; the loop reads it any time.
         self.status = KubeStatus(mode=effects.mode)
         self.reconciles = 0
+        self._reconciled_at: float | None = None  # the decision time of the last startup or reconcile
         self.failures: Counter[str] = Counter()  # exceptions that escaped the effects, by step
 
     def start(self) -> None:
@@ -112,24 +115,36 @@ class EffectsWorker:
 
     def _run(self) -> None:
         try:
-            self._set_status(self._effects.startup(self._clock(), self._boot_id, wall=self._wall()))
+            self._reconciled_at = self._clock()
+            self._set_status(self._effects.startup(self._reconciled_at, self._boot_id, wall=self._wall()))
         except Exception:  # the worker must survive anything the API or a bug throws
             self.failures["startup_raised"] += 1
             log.exception("effects startup failed; will retry on the next reconcile")
         while not self._stopping.is_set():
-            self._changed.wait(self.retry_seconds)
+            self._changed.wait(self._until_next())
             self._changed.clear()
             with self._lock:
                 verdict, health = self._verdict, self._health
             if verdict is None:
                 continue
             try:
-                self._set_status(self._effects.reconcile(verdict, self._clock(), self._boot_id, health=health,
+                self._reconciled_at = self._clock()
+                self._set_status(self._effects.reconcile(verdict, self._reconciled_at, self._boot_id, health=health,
                                                          wall=self._wall()))
                 self.reconciles += 1
             except Exception:
                 self.failures["reconcile_raised"] += 1
                 log.exception("effects reconcile failed; desired state kept, retrying")
+
+    def _until_next(self) -> float:
+        """Seconds to wait for the next reconcile: the retry interval, or less when the effects'
+        last status names a step due before it (at once when it came during that reconcile). A
+        due time the last reconcile had reached already is ignored: it did not take the step
+        (the node is held), and waiting for it again would be a busy loop."""
+        due = self.status.due_at
+        if due is None or self._reconciled_at is None or due <= self._reconciled_at:
+            return self.retry_seconds
+        return min(self.retry_seconds, max(0.0, due - self._clock()))
 
     def _set_status(self, status: KubeStatus) -> None:
         changed = status != self.status

@@ -19,6 +19,12 @@ back; an event has no "straight back", hence the window. The memory (adapter -> 
 of its last reboot-class event) is saved with the classifier's state, learns from a kernel-log
 file's earlier boots too (history, otherwise never judged) and is forgotten by an operator's clear
 (the adapter was dealt with).
+
+**Names from text are bounded.** The PCI id comes from a kernel-log line, so it goes through the
+shared bound (``healthagent/bounded_names.py``) before it names a finding or a count: past
+``MLX5_ADAPTERS`` distinct adapters, events fold into one ``~other`` adapter whose finding keeps
+the worst action folded into it. The repeat rule never escalates a folded event: ``~other`` is
+many adapters, and one adapter's history must not make another's event a replacement.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
+from healthagent.bounded_names import MLX5_ADAPTERS, OVERFLOW, NameBound
 from healthagent.model import Action, AdapterEvent, Collection, RdmaPort
 from healthagent.policy.book import EVENT, FindingBook, Signal, Where
 from healthagent.policy.findings import FINDINGS, clock, day
@@ -43,6 +50,8 @@ EARLIER_BOOT = "earlier boot"  # the boot of an event read from a kernel-log fil
 
 def adapter_words(pci_bus_id: str, device: str) -> str:
     """"mlx5_0 (0000:41:00.0)", "0000:41:00.0", or a placeholder when the line named neither."""
+    if pci_bus_id == OVERFLOW:
+        return f"beyond the first {MLX5_ADAPTERS} adapters the log named (folded into one)"
     if device and pci_bus_id:
         return f"{device} ({pci_bus_id})"
     return device or pci_bus_id or "an adapter the log did not name"
@@ -57,12 +66,14 @@ class AdapterJudge:
     names: dict[str, str] = field(default_factory=dict)  # PCI id -> RDMA device, from the ports seen
     fatal: dict[str, tuple[str, float]] = field(default_factory=dict)  # PCI id -> (boot id, time)
     earlier_boot_total: int = 0  # events from earlier boots seen since start (history only)
+    bound: NameBound = field(default_factory=lambda: NameBound("mlx5_adapter", MLX5_ADAPTERS))
 
     def arrange(self, collection: Collection, now: float) -> list[tuple[AdapterEvent, float]]:
         """This boot's events with their device and time, oldest first; an earlier boot's are only
         remembered (their reboot-class events feed the repeat rule) and logged."""
         self._learn(collection.rdma)
-        earlier = [e for e in collection.adapter_events if e.previous_boot]
+        events = [self._bounded_name(e) for e in collection.adapter_events]
+        earlier = [e for e in events if e.previous_boot]
         if earlier:
             self.earlier_boot_total += len(earlier)
             log.info("mlx5_events_from_earlier_boots=%d total=%d not judged (logged before this boot)",
@@ -70,14 +81,14 @@ class AdapterJudge:
             for event in earlier:
                 if self.catalog.lookup(event.event).action is Action.REBOOT_NODE:
                     self._remember_earlier(event.pci_bus_id, event_time(event, now))
-        current = [(self._named(e), event_time(e, now)) for e in collection.adapter_events if not e.previous_boot]
+        current = [(self._named(e), event_time(e, now)) for e in events if not e.previous_boot]
         return sorted(current, key=lambda pair: pair[1])
 
     def take(self, event: AdapterEvent, t: float, boot_id: str, book: FindingBook) -> None:
         """Judge one event: raise or refresh its adapter's finding (nothing for a ``none`` event)."""
         entry = self.catalog.lookup(event.event)
         action, again = entry.action, ""
-        if action is Action.REBOOT_NODE:
+        if action is Action.REBOOT_NODE and event.pci_bus_id != OVERFLOW:
             again = self._repeat(event.pci_bus_id, boot_id, t)
             if again:
                 action = Action.REPLACE_NODE
@@ -115,6 +126,11 @@ class AdapterJudge:
             if port.pci_bus_id and port.device and self.names.get(port.pci_bus_id) != port.device:
                 _bounded(self.names)
                 self.names[port.pci_bus_id] = port.device
+
+    def _bounded_name(self, event: AdapterEvent) -> AdapterEvent:
+        """The event under its bounded name (``bounded_names``): its own, or ``~other``."""
+        pci = self.bound.admit(event.pci_bus_id)
+        return event if pci == event.pci_bus_id else replace(event, pci_bus_id=pci, device="")
 
     def _named(self, event: AdapterEvent) -> AdapterEvent:
         device = self.names.get(event.pci_bus_id, "") if event.pci_bus_id else ""
@@ -161,6 +177,7 @@ class AdapterJudge:
                 self.fatal[pci] = (boot, float(t))
             except (TypeError, ValueError) as exc:
                 problems.append(f"adapter history {str(pci)[:40]}: {exc!r}"[:120])
+        self.bound.learn([*self.fatal, *self.names])  # the adapters known before keep their names
 
 
 def _bounded(table: dict[str, Any], keep: str = "") -> None:

@@ -1,8 +1,11 @@
 """Cumulative counters over time: growth, windows, resets. Pure arithmetic on the timestamps given.
 
-Every hardware counter the rules read (ECC, NVLink, PCIe replay, EFA hw_counters) is cumulative
-since a driver load or a reboot. So a decrease is a reset, never a fault, and a rate is "how much
-it grew inside a window", computed from the sample timestamps, never from the wall clock.
+Every hardware counter the rules read (ECC, NVLink, PCIe replay, EFA hw_counters, IB
+PortCounters) is cumulative since a driver load or a reboot. So a decrease is a reset, never a
+fault, and a rate is "how much it grew inside a window", computed from the sample timestamps,
+never from the wall clock. This is the one place a reset is decided (``CounterSeries.add``): a
+value lower than the last is a new baseline, and so is a sum whose parts changed (``basis``: a
+part absent from one reading, unreadable or past its width, would otherwise come back as growth).
 """
 
 from __future__ import annotations
@@ -50,9 +53,12 @@ class CounterSeries:
 
     points: list[tuple[float, float]] = field(default_factory=list)
     resets: int = 0
+    basis: tuple[str, ...] = ()  # the counters a summed series adds up (() for one counter)
 
-    def add(self, t: float, value: float, horizon: float) -> Growth | None:
-        """Record a sample; None when it says nothing new (same timestamp, bad numbers)."""
+    def add(self, t: float, value: float, horizon: float, basis: tuple[str, ...] | None = None) -> Growth | None:
+        """Record a sample; None when it says nothing new (same timestamp, bad numbers). ``basis``
+        names the counters ``value`` sums: when it differs from the last sample's, the value is a
+        new baseline (a reset), never growth."""
         if not finite(t) or not finite(value) or value < 0:
             return None
         t, value = float(t), float(value)
@@ -60,13 +66,17 @@ class CounterSeries:
             last_t, last_v = self.points[-1]
             if t == last_t:
                 return None
-            if value < last_v:  # the counter was reset (driver reload, GPU reset, reboot)
+            changed = basis is not None and basis != self.basis
+            if value < last_v or changed:  # reset (driver reload, GPU reset, reboot) or another sum
                 self.points = [(t, value)]
                 self.resets += 1
+                self.basis = basis if basis is not None else self.basis
                 return Growth(previous=None, current=value, seconds=0.0, reset=True)
             if t < last_t:  # the clock stepped back: keep the value as the baseline, restart the times
                 self.points = [(t, value)]
                 return Growth(previous=last_v, current=value, seconds=0.0)
+        if basis is not None:
+            self.basis = basis
         previous = self.points[-1] if self.points else None
         self.points.append((t, value))
         self._prune(t, horizon)
@@ -119,12 +129,15 @@ class CounterSeries:
         return max(0.0, inside[-1][1] - base[1])
 
     def to_dict(self) -> dict:
-        return {"points": [list(p) for p in self.points], "resets": self.resets}
+        return {"points": [list(p) for p in self.points], "resets": self.resets,
+                **({"basis": list(self.basis)} if self.basis else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CounterSeries":
         points = [(float(t), float(v)) for t, v in d.get("points", [])][-MAX_POINTS:]
-        return cls(points=sorted(points), resets=int(d.get("resets", 0)))
+        basis = d.get("basis")
+        basis = tuple(str(name) for name in basis[:16]) if isinstance(basis, list) else ()
+        return cls(points=sorted(points), resets=int(d.get("resets", 0)), basis=basis)
 
 
 def over_limit(increase: float, covered: float, window: float, per_minute: float) -> bool:
@@ -148,11 +161,12 @@ class RatePart:
 
 
 def rate_over(series: CounterSeries, t: float, value: float, window: float,
-              per_minute: float) -> tuple[float, float] | None:
+              per_minute: float, basis: tuple[str, ...] | None = None) -> tuple[float, float] | None:
     """Record ``value`` at ``t`` in ``series``; (increase, seconds covered) when the counter grew
     faster than ``per_minute`` over the last ``window``, else None (also when the sample says
-    nothing new). The one rate test every rule uses; callers pass a finite ``value``."""
-    if series.add(t, value, window) is None:
+    nothing new). The one rate test every rule uses; callers pass a finite ``value`` (and, for a
+    sum, the counters it adds up: ``CounterSeries.add``)."""
+    if series.add(t, value, window, basis) is None:
         return None
     increase, covered = series.increase_over(t, window)
     if over_limit(increase, covered, window, per_minute):

@@ -53,11 +53,19 @@ def what_to_do(xid: int, entry: CatalogEntry) -> str:
 # its lastTransitionTime, never its reason); the EKS User Guide's "Automatically repair nodes in
 # EKS clusters" for managed node groups; aws/eks-node-monitoring-agent v1.7.0 for the XIDs that
 # make its AcceleratedHardwareReady False (monitors/nvidia/dcgm/dcgm_policies.go); SageMaker
-# HyperPod's "Resilience-related Kubernetes labels".
+# HyperPod's "Resilience-related Kubernetes labels". Karpenter v1.15.0 (2026-10-10: its release notes,
+# karpenter.sh/v1.15 "Disruption", the EKS User Guide's "Repair behavior on Karpenter v1.15.0 and
+# later") runs repair as the first disruption method: paced by the NodePool's disruption budgets,
+# a replacement launched before the node is drained, karpenter.sh/do-not-repair as a veto, and on
+# AWS a reboot instead of a replacement by the condition's reason behind the RebootForRepair gate.
 KARPENTER_VERSION = "v1.14.1"
-NMA_VERSION = "v1.7.0"
+KARPENTER_V115 = "v1.15.0"
+NMA_VERSION = "v1.7.2"
 NMA_FATAL_XIDS = frozenset({46, 48, 54, 62, 63, 64, 74, 79, 95, 109, 110, 119, 120, 136, 140, 142, 143, 151,
                             155, 156, 158})
+# The EKS User Guide's default action per XID reason (managed node groups; Karpenter v1.15.0 and
+# later with RebootForRepair): reboot for these, replace for 74, 79, 119, 120, 121 and 140.
+EKS_REBOOT_XIDS = frozenset({13, 31, 48, 63, 64, 94, 95})
 HYPERPOD_VALUES = {Action.REPLACE_NODE: ("UnschedulablePendingReplacement", "replaces"),
                    Action.REBOOT_NODE: ("UnschedulablePendingReboot", "reboots")}
 
@@ -91,6 +99,7 @@ def engine_lines(xid: int, action: Action, vocabulary: str = "healthagent",
                  f"- Karpenter node repair (feature gate NodeRepair, {KARPENTER_VERSION}) replaces the node once "
                  "AcceleratedHardwareReady has been False for 10 minutes; it reads only the condition's type "
                  f"and status, so this {action.value} verdict is a replacement under Karpenter.",
+                 karpenter_v115_line(xid, action, reason),
                  "- EKS managed node groups' node auto repair acts after 10 minutes: reboot or replace, by its "
                  f"own rules for {reason} (its default for the XID, or your nodeRepairConfigOverrides).",
                  f"- EKS node monitoring agent {NMA_VERSION}, where installed, writes AcceleratedHardwareReady "
@@ -104,6 +113,22 @@ def engine_lines(xid: int, action: Action, vocabulary: str = "healthagent",
         else:
             lines.append("- SageMaker HyperPod (hyperpod_labels): node-health-status is left as it is.")
     return lines
+
+
+def karpenter_v115_line(xid: int, action: Action, reason: str) -> str:
+    """Karpenter v1.15.0's repair of a node whose AcceleratedHardwareReady the agent set False."""
+    text = (f"- Karpenter node repair {KARPENTER_V115}: after the same 10 minutes the node is a repair "
+            "candidate, repaired as a disruption within its NodePool's disruption budget (a budget whose "
+            "reasons leave repair out does not limit it), a replacement launched before the node is "
+            "drained; karpenter.sh/do-not-repair=true on the node stops it. ")
+    if xid not in EKS_REBOOT_XIDS:
+        return text + f"{reason} is a replacement by the EKS User Guide's table, RebootForRepair or not."
+    text += (f"With the AWS provider's RebootForRepair gate on, {reason} is a reboot (the EKS User "
+             "Guide's table); off, a replacement.")
+    if action is Action.REPLACE_NODE:
+        text += (" A reboot does not end this replace_node verdict: the agent's taint and the False "
+                 "condition stay, and Karpenter repairs the node again.")
+    return text
 
 
 # -- where this project's default is not NVIDIA's bucket -------------------------------------------

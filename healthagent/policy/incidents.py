@@ -17,6 +17,13 @@ An XID whose GPU is unknown is a node-level incident: never dropped. When a new 
 open is its code's rule (``debounce.py``: at once by default; a count within a window, a grace
 after the boot); XIDs that do not open one are still counted in the metrics.
 
+An XID's PCI id (or GPU UUID) that matches no GPU, and an SXid's NVSwitch PCI id, come from the
+log's text: they go through the shared bound on untrusted names (``healthagent/bounded_names.py``)
+before they name an incident or a count; past the bound they fold into one ``~other`` subject
+whose incident takes the most severe action of its members, like any other. So do XID and SXid
+numbers the catalog does not know and the policy does not map (their action does not depend on
+the number): past the bound they are ``FOLDED_NUMBER``, exported as ``~other``.
+
 An operator's clear closes the incident as it was when the operator cleared; XIDs that joined it
 after that (the loop learns of a clear only once the effects finish applying it) are reopened as
 a new incident (``reopen``), acted on again.
@@ -24,8 +31,11 @@ a new incident (``reopen``), acted on again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
+
+from healthagent.bounded_names import (FOLDED_NUMBER, OVERFLOW, SXID_SWITCHES, UNMAPPED_NUMBERS,
+                                       XID_UNMATCHED_PCI, NameBound)
 
 from healthagent.model import FALLEN_OFF_BUS_XID, Action, GpuSample, XidEvent, canonical_pci_bus_id
 from healthagent.policy.book import EVENT, Entry, FindingBook, Incident, IncidentMember, Where
@@ -73,12 +83,27 @@ class XidIncidents:
     # from ``owner`` at time t, of which ``joined`` were matched by another reporter's.
     recent: dict[str, dict[str, Any]] = field(default_factory=dict)
     paired: int = 0  # events not counted because another source already reported them
+    unmatched: NameBound = field(default_factory=lambda: NameBound("xid_pci", XID_UNMATCHED_PCI))
+    switches: NameBound = field(default_factory=lambda: NameBound("sxid_pci", SXID_SWITCHES))
+    numbers: NameBound = field(default_factory=lambda: NameBound("xid_number", UNMAPPED_NUMBERS))
 
     def arrange(self, events: Iterable[XidEvent], gpus: tuple[GpuSample, ...],
                 now: float) -> list[tuple[XidEvent, float, Where]]:
-        """The events with their time and GPU, oldest first (the order incidents must see them)."""
+        """The events with their time and GPU, oldest first (the order incidents must see them);
+        a PCI id no GPU has goes through its bound, in the event (its count) and the subject."""
         self._forget(now)
-        return sorted(((e, event_time(e, now), locate(e, gpus)) for e in events), key=lambda p: p[1])
+        arranged = []
+        for event in events:
+            where = locate(event, gpus)
+            if where.gpu_index is None and where.pci_bus_id:
+                bound = self.switches if event.kind == "sxid" else self.unmatched
+                pci = bound.admit(where.pci_bus_id)
+                if pci != where.pci_bus_id:
+                    where, event = Where(None, pci, where.uuid), replace(event, pci_bus_id=pci)
+            if where.gpu_index is None and event.uuid and self.unmatched.admit(f"uuid/{event.uuid}") == OVERFLOW:
+                where, event = Where(None, where.pci_bus_id, OVERFLOW), replace(event, uuid=OVERFLOW)
+            arranged.append((self._bounded_number(event), event_time(event, now), where))
+        return sorted(arranged, key=lambda p: p[1])
 
     def take(self, event: XidEvent, t: float, where: Where, book: FindingBook) -> int:
         """Join one event to its incident; returns how many of the reports it stands for were
@@ -95,6 +120,16 @@ class XidIncidents:
             if entry.incident is not None and entry.incident.changed:
                 entry.incident.changed = False
                 self._describe(entry)
+
+    def _bounded_number(self, event: XidEvent) -> XidEvent:
+        """The event with its number bounded when no catalog row or policy entry names it."""
+        if event.kind not in ("xid", "sxid"):
+            return event
+        entry = self.catalog.lookup_sxid(event.xid) if event.kind == "sxid" else self.catalog.lookup(event.xid)
+        if entry.known or entry.overridden:
+            return event
+        number = self.numbers.admit(f"{event.kind}/{event.xid}")
+        return event if number != OVERFLOW else replace(event, xid=FOLDED_NUMBER)
 
     # -- cross-source pairing ---------------------------------------------------------------------
 
@@ -264,6 +299,8 @@ class XidIncidents:
                           f"(source: {sources}); {members[worst].action}"
                           + (f": {members[worst].why}" if members[worst].why else ""))
         what = f"{info.description or info.name} ({label} {worst}, {info.name})"
+        if int(worst) == FOLDED_NUMBER:
+            what = f"{label}s of numbers no catalog row or policy entry names, past the first {UNMAPPED_NUMBERS}"
         if entry.action is Action.RESTART_APP:
             entry.summary = f"the application on {place} faulted: {what}; the GPU is expected to be healthy"
         else:

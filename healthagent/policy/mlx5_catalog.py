@@ -3,7 +3,8 @@ default action, merged with the operator's overrides.
 
 ``mlx5_events.csv`` (beside ``xid_catalog.csv``) holds, per event: ``event`` (the id the parser
 gives it, the ``event`` label of ``healthagent_mlx5_events_total`` and the key of a policy file's
-``mlx5:`` section), ``action``, ``kernel_text`` (the driver's wording, Linux 6.12), ``meaning`` in
+``mlx5:`` section), ``action``, ``kernel_text`` (the driver's wording, Linux 6.12; in brackets the
+other forms it has printed since 5.4 for the same event), ``meaning`` in
 plain words and a ``runbook`` line. docs/findings.md#rdma_adapter_event prints the same table.
 
 How the defaults were chosen, as an InfiniBand operator would defend them:
@@ -14,7 +15,8 @@ How the defaults were chosen, as an InfiniBand operator would defend them:
   the firmware and the link. The same event on the same adapter again after a reboot escalates to
   ``replace_node`` (``policy/adapters.py``), as a condition that survives a reboot does.
 - A bad, unsupported, overheating or unpowered cable or module, an adapter over its temperature
-  warning, a correctable PCIe error and the health buffer's syndrome line are ``monitor``: raised
+  warning, a correctable PCIe error, a command answered only through the driver's recovery and
+  the health buffer's syndrome line are ``monitor``: raised
   as a finding and an alert, but the node stays in the job; when the module's port does go down,
   ``RDMA_PORT_DOWN`` judges the port itself.
 - A cable plugged or unplugged and a successful recovery are ``none``: counted in the metric,

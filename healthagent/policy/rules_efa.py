@@ -8,8 +8,9 @@ Facts they rest on (the EFA driver's source, amzn-drivers efa_verbs.c, and AWS d
 - the error counters are judged by rate, with AWS's EKS node monitoring agent's tolerance of 100
   a minute as the default; ``unresponsive_remote_events`` and ``impaired_remote_conn_events``
   point at the *remote* peer;
-- counters are cumulative since launch or driver reload: a decrease is a reset; a counter the
-  driver does not expose is absent, never a finding;
+- counters are cumulative since launch or driver reload: a decrease is a reset (a new baseline,
+  never a finding, ``counters.CounterSeries``); a counter the driver does not expose is absent,
+  never a finding;
 - the counters are u64: the histories that decide are floats (a rate needs no more), but the
   evidence an operator reads is exact integers, kept beside them (a value near 2**64 has no exact
   float: ``2**64 - 1`` would read ``18446744073709551616``).
@@ -91,11 +92,16 @@ class EfaTrack(SeriesTrack):
         return cls(**cls.base_fields(d, SERIES), exact=exact)
 
 
+def _present(counters: dict[str, Any], names: tuple[str, ...]) -> tuple[str, ...]:
+    """The named counters the sample has as finite numbers (a driver may expose some of them, and a
+    reading may lack one it could not read)."""
+    return tuple(n for n in names if (v := counters.get(n)) is not None and finite(v))
+
+
 def _total(counters: dict[str, Any], names: tuple[str, ...]) -> int | None:
-    """The sum of the named counters the sample has as finite numbers, or None when it has none
-    of them (a counter this driver does not expose, or a value that is no number)."""
-    present = [int(v) for n in names if (v := counters.get(n)) is not None and finite(v)]
-    return sum(present) if present else None
+    """The sum of the named counters the sample has, or None when it has none of them."""
+    present = _present(counters, names)
+    return sum(int(counters[n]) for n in present) if present else None
 
 
 def _signal(code: str, device: str, evidence: str, quiet: float, count: int) -> Signal:
@@ -130,7 +136,7 @@ class EfaRules:
             if total is None:
                 continue
             per_minute = thresholds[threshold]
-            over = rate_over(track.counter(code), t, float(total), window, per_minute)
+            over = rate_over(track.counter(code), t, float(total), window, per_minute, _present(counters, names))
             track.note_exact(code, t, total)
             if over is not None:
                 rough, covered = over
@@ -144,7 +150,8 @@ class EfaRules:
 
     def _admin_queue(self, device: str, counters: dict[str, Any], track: EfaTrack, t: float) -> Iterator[Signal]:
         """Any rise of no_completion_cmds (a non-zero count on first sight too: the queue has
-        already been stopped since the driver loaded). reboot_node: stays until the reboot."""
+        already been stopped since the driver loaded; after a decrease, a reset, the count is
+        only the new baseline). reboot_node: stays until the reboot."""
         current = _total(counters, (ADMIN_QUEUE,))
         if current is None:
             return
@@ -156,7 +163,7 @@ class EfaRules:
         track.note_exact(ADMIN_QUEUE, t, current)
         if growth.increase > 0:
             evidence = f"{ADMIN_QUEUE} {previous if previous is not None else int(growth.previous or 0)} -> {current}"
-        elif growth.without_baseline > 0:
+        elif growth.without_baseline > 0 and not growth.reset:  # after a reset: the new baseline
             evidence = f"{ADMIN_QUEUE} is {current} (since the driver loaded)"
         else:
             if self.policy.rules.counts("EFA_ADMIN_QUEUE_STUCK"):

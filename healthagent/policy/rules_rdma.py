@@ -192,11 +192,12 @@ class RdmaJudge:
     def _rates(self, port: RdmaPort, track: RdmaTrack, t: float) -> Iterator[Signal]:
         window = self.policy.rate_window_seconds
         for code, names, threshold in RATE_RULES:
-            present = [port.counters[n] for n in names if n in port.counters]
-            if not present:
+            basis = tuple(n for n in names if n in port.counters)
+            if not basis:
                 continue  # a driver without these PortCounters (no PMA): nothing to judge
             per_minute = self.policy.thresholds[threshold]
-            over = rate_over(track.counter(code), t, float(sum(present)), window, per_minute)
+            total = float(sum(port.counters[n] for n in basis))
+            over = rate_over(track.counter(code), t, total, window, per_minute, basis)
             if over is not None:
                 increase, covered = over
                 yield _signal(code, port, f"{'+'.join(names)} +{increase:.0f} in {duration_words(covered)} "

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from healthagent.bounded_names import FOLDED_NUMBER, OVERFLOW, folded_totals
 from healthagent.model import (
     API_CONDITION_KINDS,
     EFA_NOT_COUNTERS,
@@ -192,6 +193,7 @@ def _other_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     yield from pipeline_families(snapshot, _family)
     yield from _source_families(snapshot)
     yield from _internal_error_families(snapshot)
+    yield from _folded_names_families()
 
 
 # In exposition order. The big parts (GPUs, EFA) change only when their source collects again.
@@ -212,6 +214,17 @@ SNAPSHOT_PARTS: tuple[SnapshotPart, ...] = (
     # Everything else is small and its timestamp changes every cycle: reused per snapshot only.
     SnapshotPart("other", lambda s: s, lambda s: _other_families(s), compare_equal=False),
 )
+
+
+def _folded_names_families() -> Iterator[Metric]:
+    """``names_folded_total`` from the shared bound's process-wide counts (``bounded_names``);
+    nothing until a name was folded."""
+    folded = folded_totals()
+    if folded:
+        family = _family("names_folded_total")
+        for source in sorted(folded):
+            family.add_metric([source], float(folded[source]))
+        yield family
 
 
 def _family(name: str) -> Metric:
@@ -274,11 +287,12 @@ def _xid_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     xids: Counter = Counter()
     sxids: Counter = Counter()
     for count in snapshot.xid_counts:
+        number = OVERFLOW if count.xid == FOLDED_NUMBER else str(count.xid)  # (bounded_names)
         if count.kind == "sxid":
-            sxids[(count.pci_bus_id, str(count.xid))] += count.count
+            sxids[(count.pci_bus_id, number)] += count.count
         else:  # "xid" and "fallen_off_bus" (counted under its XID number): never drop a fault
             gpu = "" if count.gpu_index is None else str(count.gpu_index)
-            xids[(gpu, count.uuid, str(count.xid))] += count.count
+            xids[(gpu, count.uuid, number)] += count.count
     yield _counter_family("xid_errors_total", xids)
     yield _counter_family("sxid_errors_total", sxids)
 

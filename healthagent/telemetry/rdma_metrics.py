@@ -20,6 +20,11 @@ own: ``port_up`` (what the port-down rule reads), ``port_info`` (link layer, net
 
 Rendering is pure (the snapshot's ports), and each family is keyed by the values it is built
 from, so a scrape re-encodes only the families whose values moved.
+
+Device and port names come from sysfs, so their series are bounded as every untrusted name is
+(``healthagent/bounded_names.py``): the first ``RDMA_PORTS`` ports in (device, port) order keep
+their labels; the rest fold into ``device="~other", port="~other"``, whose counters are their sum
+and whose ``port_up`` is 1 only while every one of them is up. ``ports_folded`` says how many.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from healthagent.bounded_names import OVERFLOW, RDMA_PORTS, keep_first
 from healthagent.model import RdmaPort
 from healthagent.telemetry.encode_cache import FamilyInput
 from healthagent.telemetry.spec import PREFIX, MetricSpec
@@ -127,6 +133,8 @@ RDMA: tuple[MetricSpec, ...] = (
           "1 for every port; link_layer InfiniBand or Ethernet (RoCE), its network interface and PCI id."),
     _spec("port_gpu_info", "gauge", "device port pci_bus_id",
           "1 for each GPU (pci_bus_id) behind the same PCIe switch as the port."),
+    _spec("ports_folded", "gauge", "",
+          "Ports past the bound on sysfs names, exported together as device=port=\"~other\"."),
 )
 _BY_NAME = {spec.name[len("infiniband_"):]: spec for spec in RDMA}
 
@@ -150,8 +158,9 @@ def _value(file: str, value: int) -> float:
     return float(value * OCTETS_PER_WORD if file in WORD_COUNTERS else value)
 
 
-def _columns(ports: tuple[RdmaPort, ...]) -> dict[str, tuple[str, list]]:
-    """family -> (the first file it comes from, [((device, port), value), ...])."""
+def _columns(ports: tuple[RdmaPort, ...], folded: tuple[RdmaPort, ...] = ()) -> dict[str, tuple[str, list]]:
+    """family -> (the first file it comes from, [((device, port), value), ...]); the ``folded``
+    ports' values summed under the overflow labels, last."""
     columns: dict[str, tuple[str, list]] = {}
     for port in ports:
         labels = (port.device, str(port.port))
@@ -161,6 +170,16 @@ def _columns(ports: tuple[RdmaPort, ...]) -> dict[str, tuple[str, list]]:
                 column = columns.setdefault(name, (file, []))
                 if not column[1] or column[1][-1][0] != labels:  # one value per port and family
                     column[1].append((labels, _value(file, counters[file])))
+    sums: dict[str, tuple[str, float]] = {}
+    for port in folded:
+        for hw, counters in ((False, port.counters), (True, port.hw_counters)):
+            for file in counters:
+                name = counter_name(file, hw)
+                first, total = sums.get(name, (file, 0.0))
+                sums[name] = (first, total + _value(file, counters[file]))
+    for name in sorted(sums):
+        file, total = sums[name]
+        columns.setdefault(name, (file, []))[1].append(((OVERFLOW, OVERFLOW), total))
     return columns
 
 
@@ -180,18 +199,20 @@ def _gauge(name: str, rows: Iterable[tuple[tuple[str, ...], float]]) -> Metric:
     return family
 
 
-def _gauge_rows(ports: tuple[RdmaPort, ...]) -> dict[str, tuple]:
+def _gauge_rows(ports: tuple[RdmaPort, ...], folded: tuple[RdmaPort, ...] = ()) -> dict[str, tuple]:
     devices = {p.device: p for p in ports}
     key = [(p.device, str(p.port)) for p in ports]
+    overflow_up = (((OVERFLOW, OVERFLOW), 1.0 if all(p.up for p in folded) else 0.0),) if folded else ()
     return {
         "info": tuple(((d.device, d.board_id, d.fw_ver, d.hca_type), 1.0) for d in devices.values()),
         "state_id": tuple((k, float(p.state_id)) for k, p in zip(key, ports)),
         "physical_state_id": tuple((k, float(p.phys_state_id)) for k, p in zip(key, ports)),
         "rate_bytes_per_second": tuple((k, float(go_rate_bytes(p.rate_gbps))) for k, p in zip(key, ports)
                                        if p.rate_gbps is not None),
-        "port_up": tuple((k, 1.0 if p.up else 0.0) for k, p in zip(key, ports)),
+        "port_up": tuple((k, 1.0 if p.up else 0.0) for k, p in zip(key, ports)) + overflow_up,
         "port_info": tuple(((*k, p.link_layer, p.netdev, p.pci_bus_id), 1.0) for k, p in zip(key, ports)),
         "port_gpu_info": tuple(((*k, gpu), 1.0) for k, p in zip(key, ports) for gpu in p.gpus),
+        "ports_folded": (((), float(len(folded))),),
     }
 
 
@@ -199,10 +220,11 @@ def rdma_family_inputs(ports: tuple[RdmaPort, ...]) -> Iterator[FamilyInput]:
     """Every RDMA family with the values it is built from (nothing on a node without ports)."""
     if not ports:
         return
-    ports = tuple(sorted(ports, key=lambda p: (p.device, p.port)))
-    for name, rows in _gauge_rows(ports).items():
+    kept, rest = keep_first(sorted(ports, key=lambda p: (p.device, p.port)), RDMA_PORTS)
+    ports, folded = tuple(kept), tuple(rest)
+    for name, rows in _gauge_rows(ports, folded).items():
         yield FamilyInput(_BY_NAME[name].full_name, rows, lambda name=name, rows=rows: _gauge(name, rows))
-    columns = _columns(ports)
+    columns = _columns(ports, folded)
     for name in sorted(columns):
         file, rows = columns[name][0], tuple(columns[name][1])
         yield FamilyInput(name, rows, lambda name=name, file=file, rows=rows: _counter(name, file, rows))

@@ -130,6 +130,9 @@ HEALTH: tuple[MetricSpec, ...] = (
           "Errors per source by kind (parse, unreadable, timeout, ...)."),
     _spec("last_cycle_timestamp_seconds", "gauge", "",
           "Unix time of the loop's last completed cycle."),
+    _spec("names_folded_total", "counter", "source",
+          "Names from text or sysfs (mlx5_adapter, xid_pci, sxid_pci, xid_number) folded into the one overflow name "
+          "\"~other\" once a source's bound of distinct names is reached; absent until one is."),
     _spec("internal_errors_total", "counter", "component kind",
           "Failures the agent survived, by component state|kube|policy|http|loop and kind "
           "(e.g. state unwritable: restart safety is lost until the file can be written)."),

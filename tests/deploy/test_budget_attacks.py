@@ -6,24 +6,31 @@ budget counts the two nodes: a limit of one. The agent on A runs ``NodeEffects``
 B's token is the attacker. Whatever B writes, A gets ``NoSchedule`` at once, never more than
 the limit is ``NoExecute``, and a slot B holds without a fault of its own is taken back within
 a minute of A's own observation (a slot B holds under a taint it put on itself: once B has not
-taken its disruptive step within the grace).
+taken its disruptive step within the grace). With a budget per pool, B's Node is judged by its
+pool label, not by the slot it wrote; HyperPod's label on a cluster without HyperPod is no
+disruptive step and no hand-off.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator
 
 import pytest
 
-from healthagent.effects.budget import COUNT_LEASE, SLOT_GRACE_SECONDS, counted, held_lease, new_lease, slot_name
+from healthagent.effects.budget import COUNT_LEASE, SLOT_GRACE_SECONDS, Scope, counted, held_lease, new_lease, slot_name
+from healthagent.effects.hyperpod import HYPERPOD_HEALTH_LABEL, HYPERPOD_PENDING_REPLACEMENT
 from healthagent.effects.kube import NodeEffects
+from healthagent.effects.stage import NodeSide, stage_of, started
 from healthagent.effects.state import StateStore
 from tests.support.access_cluster import (  # noqa: F401 (access, world: fixtures)
     NAMESPACE,
     OWN_TAINT,
     World,
     access,
+    holder,
     own_taints,
+    strategic,
     with_taints,
     world,
 )
@@ -36,7 +43,15 @@ pytestmark = pytest.mark.integration
 def agent_a(world: World, tmp_path) -> Iterator[NodeEffects]:  # noqa: F811
     """A's effects with A's token; the budget's Leases are cleared before and after (they are
     shared by every test of the server)."""
-    settings = settings_for(tmp_path, world.a, budget_node_selector=f"kubernetes.io/hostname in ({world.a},{world.b})")
+    with agent_on_a(world, tmp_path) as effects:
+        yield effects
+
+
+@contextlib.contextmanager
+def agent_on_a(world: World, tmp_path, **overrides) -> Iterator[NodeEffects]:  # noqa: F811
+    """``agent_a`` with settings ``overrides``, started once the caller's setup is in place."""
+    settings = settings_for(tmp_path, world.a, budget_node_selector=f"kubernetes.io/hostname in ({world.a},{world.b})",
+                            **overrides)
     clear_budget(world)
     store = StateStore(settings.state_file)
     store.load()
@@ -192,3 +207,51 @@ def test_a_count_poisoned_before_admission_heals_and_never_stops_the_taint(world
     agent_a.reconcile(XID95, T0, "boot-1")
     assert effect_of(world) == "NoSchedule" and agent_a.errors == {}
     assert (_json(world, COUNT_LEASE) or {})["metadata"]["annotations"]["healthagent.io/gpu-nodes"] == "2"
+
+
+POOL = "example.com/pool"
+PENDING_REPLACEMENT = {"metadata": {"labels": {HYPERPOD_HEALTH_LABEL: HYPERPOD_PENDING_REPLACEMENT}}}
+
+
+def test_a_slot_of_another_pool_written_by_a_node_that_took_itself_out_is_taken_back(world, tmp_path):  # noqa: F811
+    """The budget counts per pool: A in pool-a, B in pool-b. B's token takes B out (its own
+    NoExecute, one node of pool-b's limit) and writes pool-a's one slot in B's name, which
+    admission must allow (a node may reclaim any slot). A judges B by B's Node as the API server
+    has it, not by the slot B wrote: B is not in pool-a, so A takes the slot back and goes out
+    after its grace. B counts in one pool, not in every pool."""
+    for name, pool in ((world.a, "pool-a"), (world.b, "pool-b")):
+        strategic(world, name, {"metadata": {"labels": {POOL: pool}}}, apis=world.admin)
+    with agent_on_a(world, tmp_path, budget_scope_label=POOL) as agent:
+        scope = agent.budget.scope
+        assert scope == Scope(POOL, "pool-a")
+        with_taints(world, world.b, lambda taints: [*taints, {**OWN_TAINT, "effect": "NoExecute"}], apis=world.agent_b)
+        forged = held_lease(new_lease(slot_name(0, scope), NAMESPACE, "slot", scope), world.b, T0, acquired=True)
+        world.agent_b.leases.create_namespaced_lease(NAMESPACE, forged)  # 201: in B's own name
+        status = agent.reconcile(XID95, T0, "boot-1")
+        assert effect_of(world) == "NoSchedule" and status.budget_blocked
+        out = settle(agent, T0 + 5, T0 + 400, world)
+        assert out is not None and out - T0 <= 120 + 60, out
+        assert holder(world, slot_name(0, scope)) == world.a
+        assert [t["effect"] for t in own_taints(world, world.b)] == ["NoExecute"]  # B is pool-b's business
+
+
+def test_hyperpods_label_written_by_a_node_without_hyperpod_neither_keeps_a_slot_nor_hands_off(world, agent_a):  # noqa: F811
+    """No HyperPod here (``hyperpod_labels`` off). B's token puts the agent's NoSchedule and
+    HyperPod's UnschedulablePendingReplacement on B and holds the one slot: no engine reads that
+    label, so it is no disruptive step and B's squat ends as a bare NoSchedule's would, after the
+    grace. A's token writes the same label on A: A's stage stays cordoned, never handed_off to an
+    engine the cluster does not run."""
+    with_taints(world, world.b, lambda taints: [*taints, dict(OWN_TAINT)], apis=world.agent_b)
+    strategic(world, world.b, PENDING_REPLACEMENT, apis=world.agent_b)
+    take_as_b(world, 0, T0)
+    agent_a.reconcile(XID95, T0, "boot-1")
+    strategic(world, world.a, PENDING_REPLACEMENT)  # A's own token, on A
+    status = agent_a.reconcile(XID95, T0 + 1, "boot-1")
+    assert effect_of(world) == "NoSchedule" and (status.engine, status.disruptive) == ("", False)
+    side = NodeSide(status.taint_action, status.disruptive, status.engine)
+    history = started(T0 - 10, T0 - 10).advance("cordoned", "GPU_XID", T0, T0)
+    assert stage_of(XID95, status.taint_effect, status.budget_blocked, side, history, T0 + 1, 120.0) == \
+        ("cordoned", "GPU_XID")
+    taken = slot_taken(agent_a, T0 + 5, T0 + 400)
+    assert taken is not None and 120 + SLOT_GRACE_SECONDS <= taken - T0 <= 120 + 60 + 30, taken
+    assert agent_a.budget.slot.index == 0

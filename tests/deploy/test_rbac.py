@@ -117,7 +117,7 @@ def test_the_agent_calls_what_the_manifests_grant():
         ("", "nodes"): ["get", "list", "watch", "patch"],
         ("", "nodes/status"): ["patch"],
         ("events.k8s.io", "events"): ["create"],
-        ("coordination.k8s.io", "leases"): ["get", "list", "create", "update"],
+        ("coordination.k8s.io", "leases"): ["get", "list", "watch", "create", "update"],
     }
 
 

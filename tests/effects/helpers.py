@@ -61,10 +61,11 @@ def start_effects(settings: Settings, fake: KubeFake | None, sleeps: Sleeps | No
                   **kwargs) -> NodeEffects:
     """A NodeEffects over a freshly loaded state file, as the agent builds it after a restart.
 
-    Without the watch unless ``watch=True``: these tests drive time through ``now`` and count
-    every request, and the watch runs in real time on its own thread - so they exercise the
-    read-on-a-timer path the effects fall back to while the watch is down.
-    tests/effects/test_kube_watch.py runs the watch."""
+    Without the watches unless ``watch=True``: these tests drive time through ``now`` and count
+    every request, and the watches run in real time on their own threads - so they exercise the
+    read-on-a-timer path the effects fall back to while a watch is down.
+    tests/effects/test_kube_watch.py runs the node's watch, tests/effects/test_budget_watch.py the
+    budget's."""
     store = StateStore(settings.state_file)
     store.load()
     kwargs.setdefault("request_timeout", (2.0, 5.0))

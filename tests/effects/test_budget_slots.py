@@ -20,6 +20,8 @@ from healthagent.effects.budget import (
     COUNT_LEASE,
     COUNT_MAX_AGE_SECONDS,
     GPU_NODES_ANNOTATION,
+    SLOT_GRACE_SECONDS,
+    Scope,
     claimed_count,
     held_lease,
     new_lease,
@@ -430,3 +432,53 @@ def test_a_scope_label_that_is_no_label_key_stops_start_up(tmp_path):
 
     with pytest.raises(ConfigError, match=r"^budget_scope_label: 'karpenter sh' is not a label key; use a label"):
         load_settings(env={}, flags={"budget_scope_label": "karpenter sh", "state_file": str(tmp_path / "s")})
+
+
+@pytest.mark.parametrize("label", ["healthagent.io/pool", "sagemaker.amazonaws.com/node-health-status"])
+def test_a_scope_label_a_node_may_write_on_itself_stops_start_up(tmp_path, label):
+    """The admission policy lets each node's agent write these labels on its own node: a pool read
+    from one of them would be the node's own choice, and the holder judgement reads the pool there."""
+    from healthagent.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match=r"^budget_scope_label: .* may write on its own node.*; use a label"):
+        load_settings(env={}, flags={"budget_scope_label": label, "state_file": str(tmp_path / "s")})
+
+
+def test_a_slot_held_by_a_node_of_another_pool_is_taken_back(tmp_path, fake, caplog):
+    """b-0 (pool b) took itself out with its own NoExecute and writes pool a's one slot in its
+    name: as a holder of pool a it is judged by its Node's pool label, not by the slot it wrote,
+    and pool a's faulty node takes the slot once it has seen it a while, with no disruptive step
+    of its own yet to lose."""
+    gpu = {"nvidia.com/gpu.present": "true"}
+    fake.seed_nodes(10, prefix="a-", labels={**gpu, POOL: "a"})
+    fake.seed_nodes(10, prefix="b-", labels={**gpu, POOL: "b"})
+    pool_a = Scope(POOL, "a")
+    fake.put_lease(NAMESPACE, held_lease(new_lease(slot_name(0, pool_a), NAMESPACE, "slot", pool_a), "b-0",
+                                         T0 - 600, acquired=True))
+    fake.update_node("b-0", lambda n: n["spec"].update(taints=[
+        {"key": TAINT_KEY, "value": "replace_node", "effect": "NoExecute"}]))
+    agent = start_effects(settings_for(tmp_path, "a-0", budget_scope_label=POOL), fake)
+    agent.startup(T0 - SLOT_GRACE_SECONDS - 1, "boot-1")  # seen unchanged for the slot grace
+    with caplog.at_level("WARNING"):
+        status = agent.reconcile(XID95, T0, "boot-1")
+    assert not status.budget_blocked and held_by_in(fake, "a-0") == [slot_name(0, pool_a)]
+    assert "not in this budget's pool karpenter.sh/nodepool='a' (its label says 'b')" in caplog.text
+
+
+def held_by_in(fake, node):
+    """The slots (of any pool) held in ``node``'s name."""
+    return [lease["metadata"]["name"] for lease in fake.leases(NAMESPACE)
+            if "-slot-" in lease["metadata"]["name"] and (lease.get("spec") or {}).get("holderIdentity") == node]
+
+
+def test_a_node_whose_start_up_could_not_read_it_counts_in_its_own_pool(tmp_path, fake):
+    """The API server did not answer at start, so the agent never read its pool label there: its
+    first question reads it from the node it steps against, and takes pool a's slot, not the slot
+    of the nodes without the label."""
+    fake.seed_nodes(10, prefix="a-", labels={"nvidia.com/gpu.present": "true", POOL: "a"})
+    agent = start_effects(settings_for(tmp_path, "a-0", budget_scope_label=POOL), fake)
+    fake.fail_next(1, 503)
+    agent.startup(T0 - 1, "boot-1")
+    assert agent.api_errors.get("unavailable") == 1
+    assert not agent.reconcile(XID95, T0, "boot-1").budget_blocked
+    assert held_by_in(fake, "a-0") == [slot_name(0, Scope(POOL, "a"))]

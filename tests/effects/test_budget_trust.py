@@ -186,18 +186,22 @@ def test_a_node_squatting_on_every_slot_counts_once_and_is_judged_as_a_holder(tm
         agent.reconcile(XID95, now, "boot-1")
     assert held_by(cluster, NODE) == [slot_name(1)] and now - T0 >= 120 + SLOT_GRACE_SECONDS - 1
 
-@pytest.mark.parametrize("shows,seen_for,reclaimed", [
-    ("NoSchedule only", 120 + SLOT_GRACE_SECONDS, True),
-    ("NoSchedule only", 120 + SLOT_GRACE_SECONDS - 5, False),  # within the grace: its step may come
-    ("HyperPod replacement requested", 1000, False),
-    ("AcceleratedHardwareReady False", 1000, False),
-    ("NoExecute", 1000, False),
+@pytest.mark.parametrize("shows,seen_for,reclaimed,engines", [
+    ("NoSchedule only", 120 + SLOT_GRACE_SECONDS, True, {}),
+    ("NoSchedule only", 120 + SLOT_GRACE_SECONDS - 5, False, {}),  # within the grace: its step may come
+    ("HyperPod replacement requested", 1000, False, {"hyperpod_labels": True}),
+    ("HyperPod replacement requested, no HyperPod in use", 1000, True, {}),
+    ("AcceleratedHardwareReady False", 1000, False, {"condition_vocabulary": "eks"}),
+    ("AcceleratedHardwareReady False, no node repair in use", 1000, True, {}),
+    ("NoExecute", 1000, False, {}),
 ])
 def test_a_holder_that_never_takes_its_disruptive_step_loses_its_slot_after_the_grace(
-        tmp_path, cluster, shows, seen_for, reclaimed):
+        tmp_path, cluster, shows, seen_for, reclaimed, engines):
     """A holder whose agent stopped after its NoSchedule, or a node that tainted itself to squat on
     a slot: past the grace (120 s here) plus the slot grace of this agent's own clock, with no
-    disruptive step in any vocabulary on its Node, its slot is taken back."""
+    disruptive step on its Node that an engine in use acts on, its slot is taken back. HyperPod's
+    label and a gated condition are any node's to write about itself: without the engine they
+    take nothing out, so they keep no slot."""
     for index, holder in enumerate(("gpu-node-5", "gpu-node-6")):
         peer_holds(cluster, index, holder, effect="NoExecute" if shows == "NoExecute" else "NoSchedule")
 
@@ -210,7 +214,7 @@ def test_a_holder_that_never_takes_its_disruptive_step_loses_its_slot_after_the_
 
     for holder in ("gpu-node-5", "gpu-node-6"):
         cluster.update_node(holder, show)
-    agent = start_effects(settings_for(tmp_path, NODE), cluster)
+    agent = start_effects(settings_for(tmp_path, NODE, **engines), cluster)
     agent.startup(T0 - seen_for, "boot-1")  # the agent's first look at both slots
     status = agent.reconcile(XID95, T0, "boot-1")
     assert bool(held_by(cluster, NODE)) is reclaimed and status.budget_blocked is (not reclaimed)

@@ -7,6 +7,9 @@ verdict must never take the request back: the condition stays ``False`` with one
 ``NoExecute`` stays with its ``timeAdded``, and a replacement is never downgraded to a reboot.
 A poller reads the node every 0.5 s while the effects step through the escalation, so an
 intermediate write (a node patch landed, the status patch not yet) would be seen too.
+Karpenter v1.14.1 and v1.15.0 alike time repair from ``lastTransitionTime`` (v1.15.0 then waits for
+the NodePool's budget and picks reboot or replacement by the reason: test_engine_contracts_v115.py),
+so these invariants hold for both.
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ and an operator clears it, and the history keeps how long each stay lasted.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from healthagent.effects.budget_reclaim import Evidence
 from healthagent.effects.node_desired import CLEAR_ANNOTATION
 from healthagent.effects.stage import (
     CLEARED_HOLD_SECONDS,
@@ -23,7 +26,8 @@ from healthagent.effects.stage import (
 )
 from healthagent.model import Action, KubeStatus
 from tests.effects.budget_helpers import NODE, cluster, held_by, peer_holds  # noqa: F401 (cluster: a fixture)
-from tests.effects.helpers import HEALTHY, T0, TAINT_KEY, XID95, cleared_by, finding, started as effects_started, verdict
+from tests.effects.helpers import (HEALTHY, T0, TAINT_KEY, XID95, cleared_by, finding, settings_for,
+                                  started as effects_started, verdict)
 
 NO_SIDE = NodeSide()
 
@@ -64,17 +68,64 @@ def test_cleared_is_shown_for_a_while_after_the_taint_comes_off_then_healthy():
     assert stage(XID95, "NoSchedule", side=NodeSide("replace_node"), previous=cleared, now=T0 + 1)[0] == "cordoned"
 
 
-@pytest.mark.parametrize("node,engine", [
-    ({"spec": {"taints": [{"key": KARPENTER_DISRUPTED_TAINT, "effect": "NoSchedule"}]}}, "karpenter"),
-    ({"spec": {"unschedulable": True}}, "drain"),
-    ({"metadata": {"labels": {"sagemaker.amazonaws.com/node-health-status": "UnschedulablePendingReboot"}}},
-     "hyperpod"),
-    ({"status": {"conditions": [{"type": "AcceleratedHardwareReady", "status": "False"}]}}, "node-repair"),
-    ({"status": {"conditions": [{"type": "GpuHealthy", "status": "False"}]}}, ""),  # no engine acts on it
-    ({"spec": {"unschedulable": "yes"}}, ""),  # a value the API never holds is no cordon
+HYPERPOD_REBOOT = {"metadata": {"labels": {"sagemaker.amazonaws.com/node-health-status": "UnschedulablePendingReboot"}}}
+EKS_FALSE = {"status": {"conditions": [{"type": "AcceleratedHardwareReady", "status": "False"}]}}
+ALL_ENGINES = Evidence(TAINT_KEY, hyperpod=True, gated_types=frozenset({"AcceleratedHardwareReady", "NetworkingReady"}))
+NO_ENGINE = Evidence(TAINT_KEY)
+
+
+@pytest.mark.parametrize("node,evidence,engine", [
+    ({"spec": {"taints": [{"key": KARPENTER_DISRUPTED_TAINT, "effect": "NoSchedule"}]}}, NO_ENGINE, "karpenter"),
+    ({"spec": {"unschedulable": True}}, NO_ENGINE, "drain"),
+    (HYPERPOD_REBOOT, ALL_ENGINES, "hyperpod"),
+    (HYPERPOD_REBOOT, NO_ENGINE, ""),  # no HyperPod in use: the node's own label hands nothing off
+    (EKS_FALSE, ALL_ENGINES, "node-repair"),
+    (EKS_FALSE, NO_ENGINE, ""),  # the healthagent vocabulary: no engine repairs on that condition
+    ({"status": {"conditions": [{"type": "GpuHealthy", "status": "False"}]}}, ALL_ENGINES, ""),
+    ({"spec": {"unschedulable": "yes"}}, ALL_ENGINES, ""),  # a value the API never holds is no cordon
 ])
-def test_the_engine_that_has_the_node(node, engine):
-    assert engine_of(node) == engine
+def test_the_engine_that_has_the_node(node, evidence, engine):
+    assert engine_of(node, evidence) == engine
+
+
+def test_the_engines_are_those_the_settings_name():
+    assert Evidence.of(settings_for(Path("/nonexistent"), NODE)) == NO_ENGINE
+    assert Evidence.of(settings_for(Path("/nonexistent"), NODE, hyperpod_labels=True,
+                                    condition_vocabulary="eks")) == ALL_ENGINES
+
+
+def test_a_node_action_moves_healthy_to_cordoned_before_its_taint_lands_never_through_observing():
+    """The loop publishes the stage right after the verdict, while the effects thread is still
+    writing the taint: the node is cordoned at once, and the taint's arrival is no move."""
+    history = started(T0 - 10, T0 - 10)
+    for effect, now in (("", T0), ("", T0 + 0.2), ("NoSchedule", T0 + 0.4)):
+        name, reason = stage(XID95, effect, side=NodeSide("replace_node" if effect else ""), previous=history, now=now)
+        history = history.advance(name, reason, now, now)
+    assert history.transitions == {("healthy", "cordoned"): 1} and history.reason == "GPU_XID"
+    assert history.tainted_since == T0  # the grace the stage waits for runs from the fault
+    monitor = verdict(finding("GPU_SBE_STORM", Action.MONITOR, xids=()))
+    escalated = history_of(("observing", monitor, ""), ("cordoned", XID95, ""))
+    assert escalated.transitions == {("healthy", "observing"): 1, ("observing", "cordoned"): 1}
+    # without effects (--kube off) no taint comes: a node action is only observed
+    assert stage_of(XID95, "", False, NO_SIDE, started(T0 - 10, T0 - 10), T0, 120.0, taints=False)[0] == "observing"
+
+
+def test_an_operators_clear_of_a_pending_taint_shows_cleared_once_policy_closes_the_finding():
+    """A taint removed by hand while the verdict still holds the finding: cordoned until the
+    policy accounts for the clear, then cleared (never observing, never a second cordoned)."""
+    history = history_of(("cordoned", XID95, "NoSchedule"), ("cordoned", XID95, ""), ("cleared", HEALTHY, ""))
+    assert history.transitions == {("healthy", "cordoned"): 1, ("cordoned", "cleared"): 1}
+
+
+def history_of(*steps):
+    """Walk ``steps`` of (expected stage, verdict, taint effect) a second apart from a healthy start."""
+    history = started(T0 - 10, T0 - 10)
+    for i, (expected, verdict_, effect) in enumerate(steps):
+        name, reason = stage(verdict_, effect, side=NodeSide("replace_node" if effect else ""), previous=history,
+                             now=T0 + i)
+        assert name == expected, (i, name)
+        history = history.advance(name, reason, T0 + i, T0 + i)
+    return history
 
 
 def test_a_stay_is_timed_on_the_decision_clock_into_cumulative_buckets():

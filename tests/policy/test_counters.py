@@ -66,3 +66,21 @@ def test_rate_over_says_when_a_counter_grew_faster_than_its_limit():
     assert rate_over(series, 1030.0, 60.0, 60.0, 100.0) is None  # +60 in 30 s: within 100 a minute
     assert rate_over(series, 1030.0, 500.0, 60.0, 100.0) is None  # the same time again says nothing new
     assert rate_over(series, 1060.0, 250.0, 60.0, 100.0) == (250.0, 60.0)  # +250 in a minute
+
+
+def test_a_sum_whose_parts_change_is_a_new_baseline_never_growth():
+    series = CounterSeries()
+    both, one = ("link_error_recovery", "local_link_integrity_errors"), ("link_error_recovery",)
+    assert series.add(0.0, 212.0, 600.0, both).increase == 0.0
+    lost = series.add(10.0, 200.0, 600.0, one)  # one part unreadable for a reading
+    assert lost.reset and lost.increase == 0.0
+    back = series.add(20.0, 212.0, 600.0, both)  # the part back: +12 would be a false rate
+    assert back.reset and back.increase == 0.0
+    assert series.add(30.0, 215.0, 600.0, both).increase == 3.0
+    again = CounterSeries.from_dict(series.to_dict())
+    assert again.basis == both and again.add(40.0, 216.0, 600.0, both).increase == 1.0
+
+
+@pytest.mark.parametrize("basis", [7, "link_downed", {"a": 1}, None])
+def test_a_saved_basis_that_is_no_list_is_dropped(basis):
+    assert CounterSeries.from_dict({"points": [[1.0, 2.0]], "basis": basis}).basis == ()

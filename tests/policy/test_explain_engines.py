@@ -92,3 +92,32 @@ def test_the_monitoring_agents_fatal_xids_are_the_ones_the_docs_name():
     found = re.search(r"fatal XIDs in\s+v1\.7\.0 are ([0-9,\sand]+)", text)
     assert found, "docs/operations.md names no list of the monitoring agent's fatal XIDs"
     assert {int(n) for n in re.findall(r"\d+", found.group(1))} == NMA_FATAL_XIDS
+
+
+def test_under_eks_karpenter_v115_is_paced_by_budgets_and_reboots_by_reason(capsys):
+    """Karpenter v1.15.0 repairs within the NodePool's disruption budget and, with RebootForRepair,
+    reboots where the EKS User Guide's table does: XID 94 reboots (and a reboot does not end the
+    agent's replace_node verdict), XID 79 is a replacement either way."""
+    xid94 = explained(capsys, "94", "--set", "condition_vocabulary=eks")
+    assert "Karpenter node repair v1.15.0: after the same 10 minutes" in xid94
+    assert "within its NodePool's disruption budget" in xid94 and "karpenter.sh/do-not-repair=true" in xid94
+    assert "RebootForRepair gate on, NvidiaXID94Error is a reboot" in xid94
+    assert "A reboot does not end this replace_node verdict" in xid94
+    xid79 = explained(capsys, "79", "--set", "condition_vocabulary=eks")
+    assert "NvidiaXID79Error is a replacement by the EKS User Guide's table, RebootForRepair or not" in xid79
+    xid95 = explained(capsys, "95", "--set", "condition_vocabulary=eks")
+    assert "NvidiaXID95Error is a reboot" in xid95
+    assert "EKS node monitoring agent v1.7.2" in xid94
+
+
+def test_the_install_guide_says_per_engine_and_version_what_explain_says():
+    """explain and docs/install.md name the same releases, each engine with its own paragraph."""
+    from healthagent.policy.explain import KARPENTER_V115, KARPENTER_VERSION, NMA_VERSION
+
+    text = (OPERATIONS.parent / "install.md").read_text(encoding="utf-8")
+    section = text.split("### Per engine and version", 1)[1].split("\n## ", 1)[0]
+    for engine in (f"**Karpenter {KARPENTER_VERSION}**", f"**Karpenter {KARPENTER_V115}**",
+                   "**EKS managed node groups' node auto repair**", "**SageMaker HyperPod**",
+                   f"**The EKS node monitoring agent {NMA_VERSION}**", "**NVSentinel**"):
+        assert engine in section, engine
+    assert "RebootForRepair" in section and "karpenter.sh/do-not-repair" in section

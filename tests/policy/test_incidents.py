@@ -289,5 +289,5 @@ def test_a_log_naming_hundreds_of_pci_ids_cannot_grow_the_incidents_without_end(
         number = 94 if i == 3 else 13  # one replace_node among 799 restart_app
         verdict = clf.observe(collect(T0 + i, xids=[xid(number, index=None, t=T0 + i, pci=pci)])).verdict
     incidents = [f for f in verdict.findings if f.code == "GPU_XID"]
-    assert len(incidents) == MAX_INCIDENTS
+    assert len(incidents) <= MAX_INCIDENTS  # (the shared bound on names folds most of them first)
     assert verdict.action.value == "replace_node"  # the XID 94 incident, the oldest, was kept

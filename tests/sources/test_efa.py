@@ -19,7 +19,7 @@ from healthagent.demo.node import (
     write_efa_devices,
     write_rdma_device,
 )
-from healthagent.sources import efa as efa_module
+from healthagent.sources import sysfs_reader
 from healthagent.sources.efa import EfaSource
 from tests.support.efa_reference import efa_counter_facts
 
@@ -274,22 +274,22 @@ def test_device_vanishing_in_the_middle_of_its_read(tmp_path, monkeypatch, when)
             removed.append(True)
             _unbind(tmp_path, "rdmap80s0")
 
-    real_read, real_scandir = efa_module._read_small, os.scandir
+    real_read, real_scandir = sysfs_reader.read_once, os.scandir
 
-    def read_small(path):
+    def read_once(path, size):
         if when == "first device counter file" and path.startswith(str(victim / "hw_counters")):
             remove_once()
         if when == "state file" and path == str(victim / "ports" / "1" / "state"):
             remove_once()
-        return real_read(path)
+        return real_read(path, size)
 
     def scandir(path="."):
         if when == "port directory listing" and str(path) == str(victim / "ports"):
             remove_once()
         return real_scandir(path)
 
-    monkeypatch.setattr(efa_module, "_read_small", read_small)
-    monkeypatch.setattr(efa_module.os, "scandir", scandir)
+    monkeypatch.setattr(sysfs_reader, "read_once", read_once)
+    monkeypatch.setattr(sysfs_reader.os, "scandir", scandir)
     result = EfaSource(str(tmp_path)).collect(NOW)
     assert removed == [True]
     assert sorted(by_device(result)) == ["rdmap79s0", "rdmap81s0"]

@@ -47,6 +47,8 @@ LINES = [
     ("mlx5_core 0000:03:00.0: mlx5_cmd_comp_handler:947:(pid 0): cmd[3]: QUERY_VPORT_STATE(0x750) Async, "
      "timeout. Will cause a leak of a command resource", "cmd_timeout", "0000:03:00.0",
      "QUERY_VPORT_STATE(0x750) async"),
+    ("mlx5_core 0000:03:00.0: wait_func_handle_exec_timeout:1049:(pid 112): cmd[5]: QUERY_Q_COUNTER(0x773) "
+     "recovered after timeout", "cmd_recovered", "0000:03:00.0", "QUERY_Q_COUNTER(0x773)"),
     ("mlx5_core 0000:0d:00.0: mlx5_pci_err_detected Device state = 1 health sensors: 0 pci_status: 1. Enter, "
      "pci channel state = 1", "pci_error_normal", "0000:0d:00.0", "channel state 1 (normal)"),
     ("mlx5_core 0000:0d:00.0: mlx5_pci_err_detected Device state = 1 health sensors: 2 pci_status: 1. Enter, "

@@ -177,8 +177,6 @@ def test_every_line_form_yields_its_event(line, expected, host, utc):
     pytest.param("NVRM: GPU Board Serial Number: 1652923017935", id="serial line"),
     pytest.param(" SUBSYSTEM=pci", id="kmsg dictionary"),
     pytest.param(" DEVICE=+pci:0000:a8:00.0", id="kmsg dictionary device"),
-    pytest.param("Nov 20 10:11:13 gpu-node-17 gpu-watchdog[5012]: saw \"NVRM: Xid (PCI:0000:97:00): 45\"",
-                 id="user-space program quoting an XID"),
     pytest.param("[   12.000000] usb 1-1: device has fallen off the hub", id="fallen off, not a GPU"),
     pytest.param("[    1.000000] random: crng init done, Xidian mirror", id="Xid inside a word"),
     pytest.param("4,1180,21034567,-;NVRM: loading NVIDIA UNIX x86_64 Kernel Module  535.183.01", id="load"),

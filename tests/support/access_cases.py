@@ -214,6 +214,10 @@ ALLOWED = {
     "list the budget's Leases from the watch cache": Case(
         lambda w: w.agent.leases.list_namespaced_lease(NAMESPACE, label_selector=BUDGET_LABEL, resource_version="0"),
         Allowed()),
+    "watch the budget's Leases (a held node)": Case(
+        lambda w: w.agent.leases.list_namespaced_lease(NAMESPACE, label_selector=BUDGET_LABEL, resource_version="0",
+                                                       watch=True, timeout_seconds=1, _preload_content=False).data,
+        Allowed()),
     "get a budget slot": Case(
         lambda w: w.agent.leases.read_namespaced_lease(slot_name(w.slot), NAMESPACE), Allowed(),
         prepare=slot_as_admin()),
@@ -440,8 +444,8 @@ DENIED_BY_RBAC = {
         lambda w: w.agent.leases.patch_namespaced_lease(slot_name(w.slot), NAMESPACE, {"spec": {"holderIdentity": w.a}},
                                                         _content_type="application/merge-patch+json"),
         ByRbac("patch", "leases", LEASE), prepare=slot_as_admin("b")),
-    "watch the budget's Leases": Case(
-        lambda w: w.agent.leases.list_namespaced_lease(NAMESPACE, watch=True, timeout_seconds=1,
+    "watch Leases in another namespace": Case(
+        lambda w: w.agent.leases.list_namespaced_lease(HEARTBEATS, watch=True, timeout_seconds=1,
                                                        _preload_content=False).data,
         ByRbac("watch", "leases", LEASE)),
     "list Leases in every namespace": Case(

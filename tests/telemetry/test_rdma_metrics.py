@@ -12,7 +12,7 @@ from tests.telemetry.test_docs import doc_rows
 def test_the_metrics_doc_lists_every_rdma_family_with_type_and_labels(metric):
     kind, labels = doc_rows()[metric.full_name]
     assert kind == metric.type
-    assert {part.strip().strip("`") for part in labels.split(",")} == set(metric.labels)
+    assert (set() if labels == "-" else {part.strip().strip("`") for part in labels.split(",")}) == set(metric.labels)
 
 
 def test_the_counter_patterns_are_documented():
@@ -35,3 +35,22 @@ def test_rates_in_bytes_a_second_as_go_parses_them():
     assert go_rate_bytes(53.125) == 6_640_625_000
     # Go parses the number as a 32-bit float first: 0.1 is 0.100000001490116..., times 1.25e8
     assert go_rate_bytes(0.1) == 12_500_000
+
+
+def test_ports_past_the_bound_on_sysfs_names_fold_into_one_series():
+    """10,000 ports (names a writable sysfs or a broken driver could make up): the first
+    ``RDMA_PORTS`` keep their own series, the rest are one ``~other`` series whose counter is their
+    sum and whose ``port_up`` is 0 while any of them is down."""
+    from healthagent.bounded_names import OVERFLOW, RDMA_PORTS
+    from healthagent.model import RdmaPort
+    from healthagent.telemetry.rdma_metrics import rdma_families
+
+    ports = tuple(RdmaPort(device=f"mlx5_{n}", port=1, state_id=1 if n == 9_999 else 4, phys_state_id=5,
+                           counters={"symbol_error": 2}) for n in range(10_000))
+    families = {f.name: f.samples for f in rdma_families(ports)}
+    assert len(families["healthagent_infiniband_port_up"]) == RDMA_PORTS + 1
+    folded = {s.labels["device"]: s.value for s in families["healthagent_infiniband_symbol_error"]}
+    assert len(folded) == RDMA_PORTS + 1 and folded[OVERFLOW] == 2.0 * (10_000 - RDMA_PORTS)
+    assert {s.labels["device"]: s.value for s in families["healthagent_infiniband_port_up"]}[OVERFLOW] == 0.0
+    assert [s.value for s in families["healthagent_infiniband_ports_folded"]] == [10_000 - RDMA_PORTS]
+    assert len(families["healthagent_infiniband_state_id"]) == RDMA_PORTS

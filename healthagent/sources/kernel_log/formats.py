@@ -14,11 +14,20 @@ parser (which needs the message and its time) take them apart the same way. The 
   ``#012`` for an embedded newline). ``syslog(2)``'s READ_ALL text is dmesg's ``-r`` form.
 
 **Who wrote it.** A record's priority is facility * 8 + level (``PRI`` of a /dev/kmsg record, the
-``<N>`` of dmesg ``-r`` and READ_ALL, the first name of dmesg ``-x``). Only the kernel logs with
-facility 0 (``LOG_KERN``): the kernel gives anything user space writes to /dev/kmsg another
-facility (``LOG_USER`` unless the writer names one), so ``from_kernel`` tells the driver's reports
-from text any process wrote. A line that names no priority (kern.log, journalctl -k) says nothing
-either way: those formats hold the kernel's messages only and are read as before.
+``<N>`` of dmesg ``-r``, READ_ALL and RFC 3164/5424 lines, the first name of dmesg ``-x``). Only the
+kernel logs with facility 0 (``LOG_KERN``): the kernel gives anything user space writes to
+/dev/kmsg another facility (``LOG_USER`` unless the writer names one). A syslog file
+(``/var/log/messages`` on AL2/RHEL) mixes every program's lines with the kernel's, and its header
+names the writer: rsyslog's kernel input writes the tag ``kernel`` (no pid: the kernel has none),
+``logger -t myapp`` writes ``myapp``. So ``not_kernel`` takes every mark a line carries, and each
+must say kernel: a priority of facility 0, dmesg ``-x``'s ``kern``, a syslog tag ``kernel`` with no
+pid. A line with no header at all (dmesg, ``journalctl -k -o cat``) is the kernel's: those outputs
+hold nothing else. ``journalctl -o json`` lines are the kernel's when the journal's own trusted
+``_TRANSPORT`` field says ``kernel`` (a client cannot set a ``_`` field; it can set
+``SYSLOG_FACILITY``, so that field may only refuse). ``journalctl -o export`` and ``json-pretty``
+are refused: export writes a field holding a newline as raw bytes after its length, so any
+program's message can forge whole lines of it, and a line-based reader cannot tell the entry a
+``MESSAGE=`` line belongs to.
 """
 
 from __future__ import annotations
@@ -43,6 +52,18 @@ _KMSG_HEAD = re.compile(r"(\d{1,4}),(\d{1,20}),(\d{1,20}),[^;,]*(?:,[^;]*)?;")
 _KMSG_DICT = re.compile(r" [A-Z0-9_]+=")
 _KMSG_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
+# The syslog tag the kernel's lines carry in a syslog file (rsyslog's imklog, imjournal).
+KERNEL_TAG = "kernel"
+# The lines of journal formats a line-based reader cannot trust (module docstring).
+_JOURNAL_FIELD = re.compile(r'\s*(?:MESSAGE=|"MESSAGE"\s*:|MESSAGE$)')
+# An RFC 5424 header: <PRI>1 STAMP HOST APP PROCID MSGID STRUCTURED-DATA, then the message. The
+# groups the other formats name but this one has not are there, never matching.
+_RFC5424 = re.compile(
+    r"\s*<(?P<pri>\d{1,3})>1 (?:-|(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:\d\d)))"
+    r" (?P<host>\S{1,255}) (?P<tag>\S{1,48}) (?P<pid>\S{1,128}) \S{1,32} (?:-|(?:\[(?:[^\]\\]|\\.){0,1024}\])+)"
+    r"(?P<fac>(?!))?(?P<mono>(?!))?(?P<mono2>(?!))?(?P<ctime>(?!))?(?P<full>(?!))?(?P<tz>(?!))?"
+    r"(?P<syslog>(?!))?(?P<unix>(?!))?(?P<caller>(?!))?(?P<ktag>(?!))? ?(?:\ufeff)?"
+)
 # Everything a log tool puts before the kernel's message. All parts optional, so it always matches.
 _PREFIX = re.compile(
     r"\s*(?:<(?P<pri>\d{1,3})>)?"                           # dmesg -r / raw syslog priority
@@ -55,8 +76,8 @@ _PREFIX = re.compile(
     r"|(?P<syslog>[A-Z][a-z]{2} +\d{1,2} \d\d:\d\d:\d\d(?:\.\d{1,9})?)"  # RFC 3164, short-precise
     r"|(?P<unix>\d{9,11}\.\d{1,9})(?=\s)"                    # journalctl -o short-unix
     r")?"
-    r"(?:\s+(?P<host>[^\s:\[]+)\s+(?P<tag>[^\s:\[]+)(?:\[(?P<pid>\d+)\])?:(?=\s))?"  # host tag[pid]:
-    r"(?:\s*kernel:(?=\s))?"
+    r"(?:\s+(?P<host>[^\s:\[]+)\s+(?P<tag>[^\s:\[]+)(?:\[(?P<pid>[^\]\s]*)\])?:(?=\s))?"  # host tag[pid]:
+    r"(?:\s*(?P<ktag>kernel):(?=\s))?"                        # a syslog file without host names
     r"\s*(?:\[\s*(?P<mono2>\d+\.\d+)\])?"                   # kernel time after "kernel:"
     r"\s*(?:\[\s*(?P<caller>[TC]\d+)\])?"                   # CONFIG_PRINTK_CALLER
     r"\s*"
@@ -105,18 +126,51 @@ def text_prefix(line: str) -> re.Match[str]:
     """What a log tool put before the kernel's message (always matches; ``end()`` is where the
     message starts). Groups: the stamps ``mono``/``mono2``/``ctime``/``iso``/``full``+``tz``/
     ``syslog``/``unix``, and a syslog line's ``host``, ``tag`` and ``pid``."""
-    prefix = _PREFIX.match(line)
+    prefix = _RFC5424.match(line) if "<" in line[:8] else None
+    if prefix is None:
+        prefix = _PREFIX.match(line)
     assert prefix is not None  # every part is optional
     return prefix
 
 
-def from_kernel(prefix: re.Match[str]) -> bool:
-    """Whether a text line's prefix leaves it the kernel's: False when it names a priority of
-    another facility (``<12>``: user) or dmesg ``-x`` names another facility (``user  :warn  :``);
-    True when it names the kernel's or none at all."""
+def not_kernel(prefix: re.Match[str]) -> str:
+    """Why a text line is not the kernel's ("" when it is): every mark its prefix carries must say
+    kernel (module docstring). The words name the mark that refused it, for the count's detail."""
     if (priority := prefix.group("pri")) and int(priority) >> 3 != KERNEL_FACILITY:
-        return False
-    return prefix.group("fac") not in _OTHER_FACILITIES
+        return f"priority <{priority}>"
+    if (facility := prefix.group("fac")) in _OTHER_FACILITIES:
+        return f"facility {facility}"
+    tag, pid = prefix.group("tag") or prefix.group("ktag"), prefix.group("pid")
+    if tag is not None and tag != KERNEL_TAG:
+        return f"syslog tag {tag[:48]!r}"
+    if pid is not None and pid != "-":
+        return f"syslog tag {tag!r} with pid {pid[:20]!r}"
+    if tag is None and (prefix.group("syslog") or prefix.group("full") or prefix.group("unix")):
+        # these stamps are syslog's and journalctl's, whose lines always name their writer
+        return "a syslog line that names no writer"
+    if _JOURNAL_FIELD.match(prefix.string, prefix.end()):
+        return "a journal export/json-pretty field (unframed: refused)"
+    return ""
+
+
+def journal_json_kernel(line: str) -> tuple[str, float | None] | str:
+    """A ``journalctl -o json`` line: (its message, its wall time or None) when the journal says
+    the kernel wrote it, else why not (module docstring). Raises ValueError for a line that is not
+    one JSON object."""
+    import json
+
+    entry = json.loads(line)
+    if not isinstance(entry, dict):
+        raise ValueError("not a JSON object")
+    message = entry.get("MESSAGE")
+    if not isinstance(message, str):  # (the journal's byte-array form never passes the pre-filter)
+        raise ValueError("no MESSAGE text")
+    transport, facility = entry.get("_TRANSPORT"), entry.get("SYSLOG_FACILITY", "0")
+    if transport != "kernel" or facility != "0":
+        return f"journal _TRANSPORT={str(transport)[:20]!r} SYSLOG_FACILITY={str(facility)[:8]!r}"
+    stamp = entry.get("__REALTIME_TIMESTAMP")
+    when = int(stamp) / 1e6 if isinstance(stamp, str) and stamp.isdigit() and len(stamp) <= 19 else None
+    return message, when
 
 
 def prefix_time(prefix: re.Match[str], boot_time: float, now: float) -> float | None:

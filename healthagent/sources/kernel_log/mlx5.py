@@ -5,20 +5,32 @@ stopped answering, it went fatal, a cable or module failed) before, or instead o
 sysfs changing. The same readers, cursor, facility check and flood folding that serve XIDs serve
 these lines; this module only says what one message means.
 
-The wording is the driver's, as released in Linux 6.12 (checked against the 6.12.117 source:
-``drivers/net/ethernet/mellanox/mlx5/core/health.c``, ``events.c``, ``cmd.c``, ``main.c``,
-``diag/crdump.c``); forms older kernels print are noted where they differ. The driver prints
-``mlx5_core <PCI id>: `` before every message (``dev_err`` and friends), and its
-``mlx5_core_err``/``_warn`` add ``<function>:<line>:(pid <n>): ``:
+The wording is the driver's, matched by what it means rather than by one kernel's spelling: every
+form the driver has printed since Linux 5.4 (``drivers/net/ethernet/mellanox/mlx5/core/health.c``,
+``cmd.c``, ``events.c``, ``main.c``, ``diag/crdump.c``, checked up to 6.12), the vendor (MLNX_OFED)
+trees' forms and lines from public logs; ``tests/fixtures/kmsg/mlx5-wordings.yaml`` holds one line
+of each with its source. The driver prints ``mlx5_core <PCI id>: `` before every message
+(``dev_err`` and friends), and its ``mlx5_core_err``/``_warn`` add ``<function>:<line>:(pid <n>): ``
+(some kernels leave out the pid):
 
 - ``poll_health``: ``device's health compromised - reached miss count`` (4.x: without the
-  ``- reached miss count``); ``Fatal error %u detected``; ``print_health_info``: ``Health issue
-  observed, %s, severity(%d) %s:`` or ``PCI slot is unavailable``;
+  ``- reached miss count``); ``Fatal error %u detected`` (read without its number too: a line
+  that says the adapter is fatal is not dropped for a missing sensor number);
+  ``print_health_info``: ``Health issue observed, %s, severity(%d) %s:`` (before 6.0: ``synd
+  0x%x: %s``) or ``PCI slot is unavailable`` (any words between ``PCI slot`` and ``is
+  unavailable``);
 - ``mlx5_fw_fatal_reporter_err_work``: ``Driver is in error state. Unloading``; ``health recovery
-  failed``, ``health recovery flow aborted, PCI reads still not working``, ``health recovery
-  succeeded``; ``crdump: failed to lock vsc gw err %d``;
-- ``cmd.c``: ``%s(0x%x) timeout. Will cause a leak of a command resource`` and its asynchronous
-  ``cmd[%d]: %s(0x%x) Async, timeout. Will cause a leak of a command resource``;
+  failed``, ``health recovery flow aborted, PCI reads still not working`` (MLNX_OFED 4.x: ``health
+  recovery flow aborted, NIC IFC still %d after %lums.``), ``health recovery succeeded``;
+  ``crdump: failed to lock vsc gw err %d``;
+- ``cmd.c``, a firmware command that got no answer: ``%s(0x%x) timeout. Will cause a leak of a
+  command resource``, its asynchronous ``cmd[%d]: %s(0x%x) Async, timeout. Will cause a leak of a
+  command resource`` (5.9 on; before: the synchronous sentence), and, after the EQ recovery's
+  retry failed (5.9 on, 5.4.y), ``cmd[%d]: %s(0x%x) No done completion``; a command that never got
+  a slot because every slot stayed busy: ``%s(0x%x) canceled on out of queue timeout.`` (5.7 on),
+  ``%s(0x%x) timed out while waiting for a slot.`` and ``%s(0x%x) timeout while waiting for command
+  semaphore.`` (6.10 on, 6.1.y and later stables); a command the EQ recovery found answered:
+  ``cmd[%d]: %s(0x%x) recovered after timeout`` (``Async, recovered after timeout``);
 - ``mlx5_pci_err_detected``: ``mlx5_pci_err_detected Device state = %d health sensors: %d
   pci_status: %d. Enter, pci channel state = %d`` (5.x: ``mlx5_pci_err_detected was called``);
 - ``port_module``: ``Port module event[error]: module %u, %s, %s`` and ``Port module event:
@@ -45,9 +57,15 @@ MARK = "mlx5_core"
 # "mlx5_core 0000:41:00.0: " or, for a netdev message, "mlx5_core 0000:41:00.0 ens1f0np0: ".
 _DEVICE = re.compile(r"mlx5_core\s{1,4}(?P<pci>[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}(?:\.[0-7])?)"
                      r"(?:\s{1,4}[\w.-]{1,32})?:\s{0,4}")
-_FATAL = re.compile(r"Fatal error (\d{1,9}) detected")
+_FATAL = re.compile(r"Fatal error(?: (\d{1,9}))? detected")
+_SLOT_UNAVAILABLE = re.compile(r"PCI slot\b[^\n]{0,60}?\bis unavailable")
+_OLD_SYNDROME = re.compile(r"(?<![\w])synd 0x([0-9a-fA-F]{1,2}): ([^\n]{1,80})")
 _SYNDROME = re.compile(r"Health issue observed, ([^,\n]{1,80}), severity\((\d{1,3})\)\s{0,4}([A-Za-z ]{0,20})")
-_COMMAND = re.compile(r"(?:cmd\[\d{1,3}\]: )?([A-Z0-9_]{1,64})\((0x[0-9a-fA-F]{1,8})\)( Async,)? timeout\.")
+_COMMAND = re.compile(r"(?:cmd\[-?\d{1,3}\]: )?([A-Z0-9_]{1,64})\((0x[0-9a-fA-F]{1,8})\)( Async,)? ")
+# cmd.c's sentences for a command the firmware did not answer in time, by what each one means.
+_NO_ANSWER = ("Will cause a leak of a command resource", "No done completion")
+_NO_SLOT = ("canceled on out of queue timeout", "timed out while waiting for a slot",
+            "timeout while waiting for command semaphore")
 _PCI_ENTER = re.compile(r"pci channel state = (\d{1,3})")
 _MODULE = re.compile(r"Port module event(\[error\])?: module (\d{1,3}), ([^,\n]{1,40})(?:, ([^\n]{1,160}))?")
 _SENSORS = re.compile(r"bit set ([0-9a-fA-F]{1,16}) ([0-9a-fA-F]{1,16})")
@@ -115,7 +133,9 @@ def _event(text: str) -> tuple[str, str] | None:
     if "Fatal error" in text:
         fatal = _FATAL.search(text)
         if fatal is None:
-            raise Malformed("'Fatal error' without its sensor number")
+            raise Malformed("'Fatal error' without 'detected'")
+        if fatal.group(1) is None:
+            return "fatal_error", "sensor not logged"
         sensor = int(fatal.group(1))
         return "fatal_error", f"sensor {sensor}: {FATAL_SENSORS.get(sensor, 'a sensor this agent does not know')}"
     if "Health issue observed" in text:
@@ -125,8 +145,12 @@ def _event(text: str) -> tuple[str, str] | None:
         level = syndrome.group(3).strip()
         return "health_syndrome", f"{syndrome.group(1).strip()}, severity {syndrome.group(2)}" + (
             f" {level}" if level else "")
-    if "PCI slot is unavailable" in text:
+    if "PCI slot" in text and _SLOT_UNAVAILABLE.search(text):
         return "pci_slot_unavailable", ""
+    if "synd 0x" in text:
+        syndrome = _OLD_SYNDROME.search(text)
+        if syndrome is not None:
+            return "health_syndrome", f"{syndrome.group(2).strip()}, syndrome 0x{syndrome.group(1)}"
     if "Driver is in error state" in text:
         return "driver_error_state", ""
     if "health recovery failed" in text or "health recovery flow aborted" in text:
@@ -136,11 +160,10 @@ def _event(text: str) -> tuple[str, str] | None:
     if "crdump: failed" in text:
         crdump = _CRDUMP.search(text)
         return "crdump_failed", f"err {crdump.group(1)}" if crdump else ""
-    if "Will cause a leak of a command resource" in text:
-        command = _COMMAND.search(text)
-        if command is None:
-            return "cmd_timeout", ""
-        return "cmd_timeout", f"{command.group(1)}({command.group(2)})" + (" async" if command.group(3) else "")
+    if "timeout" in text or "timed out" in text or "No done completion" in text:
+        found = _command(text)
+        if found is not None:
+            return found
     if "pci_err_detected" in text:
         return _pci_error(text)
     if "Port module event" in text:
@@ -152,6 +175,28 @@ def _event(text: str) -> tuple[str, str] | None:
         power = _SLOT_POWER.search(text)
         return "pcie_power_insufficient", f"{power.group(1)} W" if power else ""
     return None
+
+
+def _command(text: str) -> tuple[str, str] | None:
+    """A firmware command that timed out (``cmd_timeout``: no answer, or no free slot in the
+    command queue, which only commands the firmware does not answer keep busy), or one the EQ
+    recovery found answered after its timeout (``cmd_recovered``); the command as the detail."""
+    if any(words in text for words in _NO_ANSWER):
+        how = "no answer after the EQ recovery" if "No done completion" in text else ""
+    elif any(words in text for words in _NO_SLOT):
+        how = "no free command slot"
+    elif "recovered after timeout" in text:
+        return "cmd_recovered", _command_name(text)
+    else:
+        return None
+    return "cmd_timeout", ", ".join(part for part in (_command_name(text), how) if part)
+
+
+def _command_name(text: str) -> str:
+    command = _COMMAND.search(text)
+    if command is None:
+        return ""
+    return f"{command.group(1)}({command.group(2)})" + (" async" if command.group(3) else "")
 
 
 def _pci_error(text: str) -> tuple[str, str] | None:

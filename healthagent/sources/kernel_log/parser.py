@@ -19,10 +19,13 @@ another GPU's line). NVIDIA's catalog gives "fallen off the bus" XID 79, so thos
 (``NVRM: GPU dddd:bb:dd.f: RmInitAdapter failed! (0x62:0xffff:1863)``; older drivers leave out
 the address) is ``kind="init_failed"`` (``xid`` 0: it is not an XID).
 
-Only the kernel's records are reports. A record of another facility (``formats.from_kernel``:
-``12,...;`` or ``<12>`` is LOG_USER, what any process that may write /dev/kmsg gets) that quotes
-an XID is ignored and counted ``not_kernel_facility``: anyone who can write the kernel log could
-otherwise make the agent replace a node. Only records the pre-filter lets through are counted (the
+Only the kernel's records are reports. A record of another facility (``formats.not_kernel``:
+``12,...;`` or ``<12>`` is LOG_USER, what any process that may write /dev/kmsg gets), or a syslog
+file's line whose tag is not ``kernel`` (``host myapp: ...``, what ``logger -t myapp`` writes), that
+quotes an XID is ignored and counted ``not_kernel_facility``: anyone who can write the kernel log
+or the syslog file could otherwise make the agent replace a node. An indented line without a
+header of its own continues the line above it (journalctl's and dmesg's multi-line messages) and
+is that line's writer's. Only records the pre-filter lets through are counted (the
 ones that look like a report), not every message systemd and friends write there.
 
 An XID number is at most nine digits (the driver prints a 32-bit code; NVIDIA's catalog stops at
@@ -52,9 +55,10 @@ from healthagent.common import ErrorTally
 from healthagent.sources.kernel_log import mlx5
 from healthagent.sources.kernel_log.formats import (
     KERNEL_FACILITY,
-    from_kernel,
     is_kmsg_dictionary_line,
+    journal_json_kernel,
     kmsg_header,
+    not_kernel,
     prefix_time,
     text_prefix,
     unescape_kmsg,
@@ -88,6 +92,8 @@ _INIT_FAILED = "RmInitAdapter failed"
 _MLX5 = mlx5.MARK  # "mlx5_core": the ConnectX driver's lines
 _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
 _SXID_DETAIL_PREFIXES = ("Severity", "Data")
+# What starts a continuation line (or an empty one: neither is a header line).
+_INDENT = " \t"
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ class XidLineParser:
         # None: not judged (the boot time is unknown, or the input holds only this boot's records).
         self.earlier_boot_before = earlier_boot_before
         self._previous: tuple[str, str] = ("", "")
+        self._head = ""  # the last line that is no indented continuation: a continuation's writer
         self._last_sxid: tuple[str, int] | None = None
         self.repeats = repeats
 
@@ -156,6 +163,8 @@ class XidLineParser:
         folded = self.repeats.fold_record if self.repeats is not None else None
         try:
             for line in lines:
+                if line[:1] not in _INDENT:
+                    self._head = line
                 # the cheap pre-filter, then a storm's repeats folded from their text: the hot path
                 if ("Xid" in line or "fallen off" in line or _INIT_FAILED in line or _MLX5 in line) and not (
                         folded is not None and folded(line, MAX_PARSED_CHARS)):
@@ -206,17 +215,24 @@ class XidLineParser:
             else:
                 if is_kmsg_dictionary_line(raw):
                     return None  # a /dev/kmsg dictionary line, never a report
-                prefix = text_prefix(raw)
-                if not from_kernel(prefix):
-                    return self._not_kernel(raw, raw[prefix.end():], f"priority <{prefix.group('pri')}>"
-                                            if prefix.group("pri") else f"facility {prefix.group('fac')}")
-                if prefix.group("pid") and prefix.group("tag") != "kernel":
-                    return None  # a user-space program's syslog line quoting an XID, not the driver
                 seq = None
-                message = raw[prefix.end():]
-                if "#012" in message:  # rsyslog's escape of an embedded newline
-                    message = message.replace("#012", "\n")
-                timestamp = self._timestamp(prefix, raw)
+                if raw[:1] == "{":  # journalctl -o json
+                    found = journal_json_kernel(raw)
+                    if isinstance(found, str):
+                        return self._not_kernel(raw, raw, found)
+                    message, timestamp = found
+                else:
+                    prefix = text_prefix(raw)
+                    why = not_kernel(prefix)
+                    if not why and prefix.end() == len(raw) - len(raw.lstrip()) and raw[:1] in _INDENT:
+                        # a continuation line: its writer is the header line's above it
+                        why = not_kernel(text_prefix(self._head)) if self._head else ""
+                    if why:
+                        return self._not_kernel(raw, raw[prefix.end():], why)
+                    message = raw[prefix.end():]
+                    if "#012" in message:  # rsyslog's escape of an embedded newline
+                        message = message.replace("#012", "\n")
+                    timestamp = self._timestamp(prefix, raw)
             event: KernelEvent | None = None
             if "Xid" in message:
                 event = self._xid_event(raw, message, timestamp, seq)
@@ -235,15 +251,19 @@ class XidLineParser:
         return event
 
     def _not_kernel(self, raw: str, message: str, which: str) -> None:
-        """A record user space wrote (not facility 0): never a report; counted when it reads like one
+        """A record user space wrote (not facility 0, not the ``kernel`` tag): never a report;
+        counted when it reads like one
         (any line the XID words let through; of the mlx5_core lines, only an event's)."""
-        if _MLX5 in message and not ("Xid" in message or "fallen off" in message or _INIT_FAILED in message):
+        if not ("NVRM: Xid" in message or "SXid" in message or "Xid (" in message or ("fallen off" in message and ("NVRM" in message or "GPU" in message))
+                or (_INIT_FAILED in message and "NVRM" in message)):
+            if _MLX5 not in message:
+                return None  # the pre-filter's words in a line no report would be read from
             try:
                 if mlx5.read_report(message) is None:
                     return None  # the driver's name in someone's text, not an adapter event
             except mlx5.Malformed:
                 pass
-        self.tally.count("not_kernel_facility", f"a record of {which}, not the kernel's, ignored: {raw[:300]!r}")
+        self.tally.count("not_kernel_facility", f"a line of {which}, not the kernel's, ignored: {raw[:300]!r}")
         return None
 
     # -- reports ------------------------------------------------------------------------------------

@@ -69,8 +69,8 @@ Use::
         assert fake.node("gpu-node-0")["spec"]["taints"] == [...]
 
 What it LEAVES OUT of Kubernetes: authentication, authorization (RBAC) and admission; every
-resource but nodes, events.k8s.io/v1 events and leases (no core/v1 events, no discovery); lease
-watches, PATCH and a held watch cache for leases (their lists are always live); protobuf, CBOR,
+resource but nodes, events.k8s.io/v1 events and leases (no core/v1 events, no discovery); PATCH
+and a held watch cache for leases (their lists and watches are always live); protobuf, CBOR,
 YAML, and tables of anything but nodes; server-side apply and managedFields; pagination
 beyond a node list's first page (``limit`` cuts it and sets a ``continue`` token, which is not
 served); ``resourceVersionMatch=Exact`` (400) and the up-to-3 s

@@ -1,5 +1,5 @@
-"""coordination.k8s.io/v1 Leases: put by other actors, and served (create, get, list, replace,
-delete)."""
+"""coordination.k8s.io/v1 Leases: put by other actors, and served (create, get, list, watch,
+replace, delete)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class LeasesMixin:
             lease.setdefault("apiVersion", "coordination.k8s.io/v1")
             lease.setdefault("kind", "Lease")
             self._leases[(namespace, meta["name"])] = lease
+            self._notify(f"leases/{namespace}", "MODIFIED" if old else "ADDED", lease, old)
             return copy.deepcopy(lease)
 
     def _lease_request(self, method, ns, name, query, body):
@@ -40,7 +41,8 @@ class LeasesMixin:
             if name is None:
                 if method == "GET":
                     if query.get("watch") in ("true", "1"):
-                        raise ApiError(405, "MethodNotAllowed", "lease watches are not served by the fake")
+                        return 200, self._open_watch(f"leases/{ns}", query, {},
+                                                     [lease for (lns, _), lease in self._leases.items() if lns == ns])
                     labels = parse_label_selector(query.get("labelSelector", ""))
                     items = [lease for lease in self.leases(ns)
                              if labels(lease["metadata"].get("labels") or {})]
@@ -56,6 +58,8 @@ class LeasesMixin:
                 return 200, copy.deepcopy(current)
             if method == "DELETE":
                 del self._leases[(ns, name)]
+                self._notify(f"leases/{ns}", "DELETED", {**current, "metadata": {
+                    **current["metadata"], "resourceVersion": self._bump()}}, None)
                 return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
             if method != "PUT":
                 raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on leases by the fake")
@@ -74,6 +78,7 @@ class LeasesMixin:
             if new != current:
                 new["metadata"]["resourceVersion"] = self._bump()
                 self._leases[(ns, name)] = new
+                self._notify(f"leases/{ns}", "MODIFIED", new, current)
             return 200, copy.deepcopy(self._leases[(ns, name)])
 
     def _create_lease(self, ns, body):
@@ -86,5 +91,7 @@ class LeasesMixin:
             raise _invalid("Lease", "", ["metadata.name: Required value"])
         if meta.get("resourceVersion"):
             raise _invalid("Lease", name, ["metadata.resourceVersion: Invalid value: must be empty on create"])
-        return self._store_new(self._leases, ns, name, lease, _validate_lease(lease), "Lease",
-                               "coordination.k8s.io")
+        status, created = self._store_new(self._leases, ns, name, lease, _validate_lease(lease), "Lease",
+                                          "coordination.k8s.io")
+        self._notify(f"leases/{ns}", "ADDED", created, None)
+        return status, created

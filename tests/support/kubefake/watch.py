@@ -73,7 +73,10 @@ class WatchMixin:
             if event:
                 self._queue(watcher, event)
 
-    def _open_watch(self, kind, query, fields):
+    def _open_watch(self, kind, query, fields, initial=None):
+        """A watcher of ``kind`` (``nodes``, or ``leases/<namespace>``): from ``resourceVersion`` "" or
+        "0" every matching object of ``initial`` (default: the nodes) first as ADDED, else the
+        kept history after that version."""
         labels = parse_label_selector(query.get("labelSelector", ""))
         field_match = parse_field_selector(query.get("fieldSelector", ""), fields)
 
@@ -87,7 +90,8 @@ class WatchMixin:
             raise ApiError(400, "BadRequest", f"invalid resource version {since!r}")
         with self._lock:
             if since in ("", "0"):
-                for node in sorted(self._nodes.values(), key=lambda n: n["metadata"]["name"]):
+                objects = self._nodes.values() if initial is None else initial
+                for node in sorted(objects, key=lambda n: n["metadata"]["name"]):
                     if matches(node):
                         watcher.events.append({"type": "ADDED", "object": copy.deepcopy(node)})
             else:
