@@ -56,7 +56,7 @@ def _table(rows: Iterable[Iterable[Any]], header: list[str]) -> str:
 def _finding_subject(f) -> str:
     if f.gpu_index is not None:
         return f"GPU {f.gpu_index} ({f.pci_bus_id})" if f.pci_bus_id else f"GPU {f.gpu_index}"
-    return f.pci_bus_id or f.efa_device or "node"
+    return f.pci_bus_id or f.fabric_device or "node"
 
 
 def check_exit_code(verdict, nvml_asked: bool) -> int:

@@ -113,7 +113,7 @@ class Settings:
     reboot_node_noexecute: bool = _setting(
         True, "reboot_node also gets NoExecute after the grace, as replace_node does (false: NoSchedule only)")
     condition_vocabulary: str = _setting(
-        "healthagent", "node conditions: healthagent (GpuHealthy/EfaHealthy) or eks (AcceleratedHardwareReady/"
+        "healthagent", "node conditions: healthagent (GpuHealthy/NetworkHealthy) or eks (AcceleratedHardwareReady/"
                        "NetworkingReady, which Karpenter node repair and EKS node auto repair act on; only on "
                        "clusters without the EKS node monitoring agent)",
         "use one of: " + ", ".join(CONDITION_VOCABULARIES))

@@ -325,7 +325,7 @@ class Finding:
     gpu_index: int | None = None
     pci_bus_id: str = ""
     uuid: str = ""
-    efa_device: str = ""
+    fabric_device: str = ""
     xids: tuple[int, ...] = ()
     count: int = 1
     first_seen: float = 0.0
@@ -336,8 +336,8 @@ class Finding:
     def subject(self) -> str:
         if self.pci_bus_id:
             return self.pci_bus_id
-        if self.efa_device:
-            return self.efa_device
+        if self.fabric_device:
+            return self.fabric_device
         return "node"
 
     @property

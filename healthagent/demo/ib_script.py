@@ -149,7 +149,7 @@ def _script(args: argparse.Namespace, ib: IbDemoNode, runtime: AgentRuntime, con
     say_findings(verdict)
 
     say("\n3. What the agent would write to Kubernetes (dry-run; log lines above show each write)")
-    networking = vocabulary(runtime.settings.condition_vocabulary).efa_type
+    networking = vocabulary(runtime.settings.condition_vocabulary).network_type
     if wait_for(lambda: getattr(conditions.latest.get(networking), "reason", "") == CODE, 10):
         written = conditions.latest[networking]
         say(f"   condition {written.type}={written.status}, reason {written.reason}: the node's networking "

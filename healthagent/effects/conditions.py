@@ -1,9 +1,9 @@
 """The node conditions the agent writes: two vocabularies, and noticing another writer.
 
-Why two: ``GpuHealthy``/``EfaHealthy`` (the default, ``healthagent``) say what node-problem-detector
+Why two: ``GpuHealthy``/``NetworkHealthy`` (the default, ``healthagent``) say what node-problem-detector
 would say, and nothing acts on them by itself. ``eks`` speaks the EKS node monitoring agent's
 vocabulary, ``AcceleratedHardwareReady`` for GPU (and NVSwitch) findings and ``NetworkingReady`` for
-EFA findings, with the reasons that ecosystem uses (``NvidiaXID79Error``, ``NvidiaDoubleBitError``,
+network (EFA, InfiniBand, RoCE) findings, with the reasons that ecosystem uses (``NvidiaXID79Error``, ``NvidiaDoubleBitError``,
 ...). Karpenter's node repair (v1.14.1, feature gate ``NodeRepair``) replaces a node whose condition
 of those types stays ``False`` past its wait (10 minutes for ``AcceleratedHardwareReady``, 30 for
 ``NetworkingReady`` in the AWS provider), reading only the condition's type and status, and EKS
@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 from healthagent import __version__
 from healthagent.model import Finding
+from healthagent.policy.finding_catalog import catalog_rows
 
 HEALTHAGENT = "healthagent"
 EKS = "eks"
@@ -41,11 +42,11 @@ FIELD_MANAGER = "healthagent"
 USER_AGENT = f"{FIELD_MANAGER}/{__version__}"
 # The manager the API server recorded for writes of versions that did not name themselves (the
 # ``kubernetes`` client's default User-Agent is ``OpenAPI-Generator/<version>/python``): their
-# GpuHealthy/EfaHealthy are the agent's own.
+# GpuHealthy/NetworkHealthy are the agent's own.
 UNNAMED_CLIENT_MANAGER = "OpenAPI-Generator"
 
 GPU_AREA = "gpu"
-EFA_AREA = "efa"
+NETWORK_AREA = "network"  # the node's network fabric: EFA, InfiniBand, RoCE
 
 # Reasons of the agent's own that carry no finding code: the same in both vocabularies.
 ALL_CHECKS_PASSED = "AllChecksPassed"
@@ -54,52 +55,23 @@ REBOOT_PENDING_REASON = "RebootPending"
 FINDINGS_WITHOUT_NODE_ACTION = "FindingsWithoutNodeAction"
 REPAIR_HELD_BY_BUDGET = "RepairHeldByBudget"
 REPAIR_AFTER_GRACE = "RepairAfterGrace"
-NOT_OBSERVED_REASONS = {GPU_AREA: "GpuNotObserved", EFA_AREA: "EfaNotObserved"}
+NOT_OBSERVED_REASONS = {GPU_AREA: "GpuNotObserved", NETWORK_AREA: "NetworkNotObserved"}
 OWN_REASONS = frozenset({ALL_CHECKS_PASSED, REPLACE_PENDING_REASON, REBOOT_PENDING_REASON,
                          FINDINGS_WITHOUT_NODE_ACTION, REPAIR_HELD_BY_BUDGET, REPAIR_AFTER_GRACE,
                          *NOT_OBSERVED_REASONS.values()})
 
 NMA = "EKS node monitoring agent"
 COINED = "coined by healthagent"
-# Finding code -> (reason in the eks vocabulary, where the name comes from). The monitoring
-# agent's names are from its reason table (aws/eks-node-monitoring-agent pkg/reasons, the EKS
-# user guide's "Node health issues"); where it has no name for what the agent finds, the reason
-# is coined in the same style, never containing "XID", so no reader that picks an action from an
-# XID number in a reason (managed node groups' per-reason repair actions) mistakes one for an XID.
+_REASON_FROM = {"nma": NMA, "coined": COINED}
+# Finding code -> (reason in the eks vocabulary, where the name comes from): the finding catalog's
+# eks_reason columns (healthagent/policy/findings.csv). The monitoring agent's names are from its
+# reason table (aws/eks-node-monitoring-agent pkg/reasons, the EKS user guide's "Node health
+# issues"); where it has no name for what the agent finds, the reason is coined in the same style,
+# never containing "XID", so no reader that picks an action from an XID number in a reason (managed
+# node groups' per-reason repair actions) mistakes one for an XID.
 EKS_REASONS: dict[str, tuple[str, str]] = {
-    "GPU_XID": ("NvidiaXID<N>Error", NMA),
-    "GPU_ECC_DBE": ("NvidiaDoubleBitError", NMA),
-    "GPU_RETIRED_PAGES": ("NvidiaPageRetirement", NMA),
-    "GPU_RETIRED_PAGES_PENDING": ("NvidiaPageRetirement", NMA),
-    "GPU_MISSING": ("NvidiaDeviceCountMismatch", NMA),
-    "GPU_NVLINK_ERRORS": ("NvidiaNVLinkError", NMA),
-    "GPU_PCIE_REPLAY": ("NvidiaPCIeError", NMA),
-    "GPU_THERMAL_THROTTLE": ("NvidiaThermalError", NMA),
-    "GPU_POWER_THROTTLE": ("NvidiaPowerError", NMA),
-    "GPU_LOST": ("NvidiaGPULost", COINED),
-    "GPU_INIT_FAILED": ("NvidiaGPUInitFailed", COINED),
-    "GPU_ROW_REMAP_FAILURE": ("NvidiaRowRemapFailure", COINED),
-    "GPU_ROW_REMAP_PENDING": ("NvidiaRowRemapPending", COINED),
-    "GPU_SBE_STORM": ("NvidiaSingleBitErrorStorm", COINED),
-    "NVSWITCH_SXID": ("NvidiaNVSwitchFatalError", COINED),
-    "EFA_DEVICE_MISSING": ("EFADeviceMissing", COINED),
-    "EFA_ADMIN_QUEUE_STUCK": ("EFAAdminQueueStuck", COINED),
-    "EFA_CMD_ERRORS": ("EFAErrorMetric", NMA),
-    "EFA_UNRESPONSIVE_REMOTE": ("EFAErrorMetric", NMA),
-    "EFA_IMPAIRED_REMOTE": ("EFAErrorMetric", NMA),
-    "EFA_RETRANS_TIMEOUT": ("EFAErrorMetric", NMA),
-    "EFA_RX_DROPS": ("EFAErrorMetric", NMA),
-    "EFA_WR_ERRORS": ("EFAErrorMetric", NMA),
-    "RDMA_PORT_DOWN": ("RDMAPortDown", COINED),
-    "RDMA_PORT_DEGRADED": ("RDMAPortDegraded", COINED),
-    "RDMA_LINK_FLAPPING": ("RDMALinkFlapping", COINED),
-    "RDMA_SYMBOL_ERRORS": ("RDMAErrorMetric", COINED),
-    "RDMA_LINK_ERRORS": ("RDMAErrorMetric", COINED),
-    "RDMA_RCV_ERRORS": ("RDMAErrorMetric", COINED),
-    "RDMA_XMIT_DISCARDS": ("RDMAErrorMetric", COINED),
-    "RDMA_DEVICE_MISSING": ("RDMADeviceMissing", COINED),
-    "RDMA_ADAPTER_EVENT": ("RDMAAdapterError", COINED),
-}
+    row.code: (row.eks_reason, _REASON_FROM[row.eks_reason_from]) for row in catalog_rows()}
+_NETWORK_CODES = frozenset(row.code for row in catalog_rows() if row.condition == "network")
 XID_REASON = re.compile(r"NvidiaXID\d{0,5}Error")
 CODE_REASON = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")  # a finding code: GPU_XID, EFA_RX_DROPS
 _NAMED_XID = re.compile(r"\(XID (\d{1,5}),")
@@ -107,11 +79,14 @@ _NAMED_XID = re.compile(r"\(XID (\d{1,5}),")
 
 def area_of(code: str) -> str:
     """The area a finding code belongs to: the node's network fabric (EFA_*, and RDMA_* for
-    InfiniBand/RoCE ports) -> efa, everything else (GPU, NVSwitch) -> gpu. RDMA findings share the
-    networking condition (``EfaHealthy``, ``NetworkingReady``) rather than a type of their own: the
+    InfiniBand/RoCE ports) -> network, everything else (GPU, NVSwitch) -> gpu. RDMA findings share the
+    networking condition (``NetworkHealthy``, ``NetworkingReady``) rather than a type of their own: the
     engines that repair nodes act on ``NetworkingReady`` alone, and the admission policy admits the
-    agent's two types only (docs/design.md, "InfiniBand and RoCE ports")."""
-    return EFA_AREA if code.startswith(("EFA_", "RDMA_")) else GPU_AREA
+    agent's two types only (docs/design.md, "InfiniBand and RoCE ports"). The catalog's condition
+    column decides; a code it does not know (a taint's reason adopted from the node) by its prefix."""
+    if code in _NETWORK_CODES or code.startswith(("EFA_", "RDMA_")):
+        return NETWORK_AREA
+    return GPU_AREA
 
 
 def deciding_xid(finding: Finding) -> int | None:
@@ -144,16 +119,16 @@ class Vocabulary:
 
     name: str
     gpu_type: str
-    efa_type: str
+    network_type: str
     gated: bool  # False only for a node action the agent is taking (an engine repairs on False)
     own_managers: tuple[str, ...]
 
     @property
     def types(self) -> tuple[str, str]:
-        return (self.gpu_type, self.efa_type)
+        return (self.gpu_type, self.network_type)
 
     def type_of(self, area: str) -> str:
-        return self.efa_type if area == EFA_AREA else self.gpu_type
+        return self.network_type if area == NETWORK_AREA else self.gpu_type
 
     def reason_for(self, finding: Finding) -> str:
         return eks_reason(finding) if self.name == EKS else finding.code
@@ -167,7 +142,7 @@ class Vocabulary:
 
 
 VOCABULARIES: dict[str, Vocabulary] = {
-    HEALTHAGENT: Vocabulary(HEALTHAGENT, "GpuHealthy", "EfaHealthy", gated=False,
+    HEALTHAGENT: Vocabulary(HEALTHAGENT, "GpuHealthy", "NetworkHealthy", gated=False,
                             own_managers=(FIELD_MANAGER, UNNAMED_CLIENT_MANAGER)),
     EKS: Vocabulary(EKS, "AcceleratedHardwareReady", "NetworkingReady", gated=True,
                     own_managers=(FIELD_MANAGER,)),

@@ -23,6 +23,7 @@ from typing import Mapping
 
 from healthagent.effects.conditions import FIELD_MANAGER, REPLACE_PENDING_REASON, label_managers
 from healthagent.model import Action
+from healthagent.policy.finding_catalog import catalog
 
 HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 HYPERPOD_FAULT_TYPES_LABEL = "sagemaker.amazonaws.com/fault-types"
@@ -35,12 +36,10 @@ HYPERPOD_PENDING = {Action.REPLACE_NODE: HYPERPOD_PENDING_REPLACEMENT,
 
 
 def fault_type_of(code: str) -> str:
-    """A short fault category for HyperPod's fault-types label (the agent's own vocabulary)."""
-    if code.startswith("EFA_"):
-        return "EFA"
-    if code.startswith("NVSWITCH_"):
-        return "NVSwitch"
-    return "GPU"
+    """A short fault category for HyperPod's fault-types label (the agent's own vocabulary): the
+    finding catalog's hyperpod_fault_type column; a code it does not know: ``GPU``."""
+    row = catalog().get(code)
+    return row.hyperpod_fault_type if row is not None and row.hyperpod_fault_type else "GPU"
 
 
 def hyperpod_request(node: Mapping, agent_action: Action | None) -> tuple[str, bool | None]:

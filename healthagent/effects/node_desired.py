@@ -9,7 +9,7 @@ and conditions are never in a patch.
 
 Owned by the agent: taints with ``settings.taint_key``; the label ``healthagent.io/health``; the
 annotations ``healthagent.io/clear-handled`` and ``healthagent.io/taint-boot-id``; the two
-conditions of its vocabulary (``GpuHealthy``/``EfaHealthy``, or in ``eks`` mode
+conditions of its vocabulary (``GpuHealthy``/``NetworkHealthy``, or in ``eks`` mode
 ``AcceleratedHardwareReady``/``NetworkingReady``: ``effects/conditions.py``) unless another writer
 owns one; and, only with ``hyperpod_labels`` on, the HyperPod labels while they hold a value the
 agent wrote.
@@ -30,7 +30,7 @@ from healthagent.effects.api_time import parse_rfc3339
 from healthagent.effects.conditions import (
     ALL_CHECKS_PASSED,
     DEFAULT,
-    EFA_AREA,
+    NETWORK_AREA,
     FINDINGS_WITHOUT_NODE_ACTION,
     GPU_AREA,
     NOT_OBSERVED_REASONS,
@@ -56,15 +56,15 @@ TAINT_BOOT_ANNOTATION = "healthagent.io/taint-boot-id"  # the boot a fault needi
 
 
 GPU_CONDITION = DEFAULT.gpu_type  # the default vocabulary's types
-EFA_CONDITION = DEFAULT.efa_type
+NETWORK_CONDITION = DEFAULT.network_type
 OWNED_CONDITIONS = DEFAULT.types
 # Verdict.unobserved subsystems that have a condition: (its reason while the subsystem cannot be
 # seen, what it is in words, the sources that see it, the area whose condition it is). Status
 # Unknown: "no finding" about hardware nobody could see is not "healthy". InfiniBand/RoCE ports
 # share the networking condition with EFA.
 NOT_OBSERVED = {GPU_AREA: (NOT_OBSERVED_REASONS[GPU_AREA], "GPUs", ("nvml", "dcgm"), GPU_AREA),
-                EFA_AREA: (NOT_OBSERVED_REASONS[EFA_AREA], "EFA devices", ("efa",), EFA_AREA),
-                "rdma": (NOT_OBSERVED_REASONS[EFA_AREA], "InfiniBand/RoCE ports", ("rdma",), EFA_AREA)}
+                "efa": (NOT_OBSERVED_REASONS[NETWORK_AREA], "EFA devices", ("efa",), NETWORK_AREA),
+                "rdma": (NOT_OBSERVED_REASONS[NETWORK_AREA], "InfiniBand/RoCE ports", ("rdma",), NETWORK_AREA)}
 
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
@@ -92,7 +92,7 @@ def health_value(action: Action, unobserved: bool = False) -> str:
 
 
 def condition_of(code: str, vocab: Vocabulary = DEFAULT) -> str:
-    """Which condition a finding code belongs to: EFA_* and RDMA_* -> EfaHealthy (NetworkingReady), everything
+    """Which condition a finding code belongs to: EFA_* and RDMA_* -> NetworkHealthy (NetworkingReady), everything
     else GpuHealthy (AcceleratedHardwareReady)."""
     return vocab.type_of(area_of(code))
 
@@ -329,7 +329,7 @@ def plan_conditions(findings: Iterable[Finding], pending: Pending | None = None,
                     leave: Iterable[str] = ()) -> tuple[ConditionSpec, ...]:
     """The vocabulary's two conditions from the open findings (most severe first in the verdict).
 
-    ``GpuHealthy``/``EfaHealthy`` are ``False`` for any open finding of their area, with the code as
+    ``GpuHealthy``/``NetworkHealthy`` are ``False`` for any open finding of their area, with the code as
     reason. A taint that stands with no open finding (``pending``) keeps its area's condition
     ``False`` (``ReplacePending``/``RebootPending``): a condition must never say healthy while the
     node carries the agent's taint. A condition without findings whose area could not be
@@ -342,7 +342,7 @@ def plan_conditions(findings: Iterable[Finding], pending: Pending | None = None,
     the message. Types in ``leave``
     belong to another writer and are not planned at all.
     """
-    by_area: dict[str, list[Finding]] = {GPU_AREA: [], EFA_AREA: []}
+    by_area: dict[str, list[Finding]] = {GPU_AREA: [], NETWORK_AREA: []}
     for finding in findings:
         by_area[area_of(finding.code)].append(finding)
     skip = set(leave)
@@ -372,7 +372,7 @@ def plan_conditions(findings: Iterable[Finding], pending: Pending | None = None,
             reason, message = (not_observed or {})[ctype]
             specs.append(ConditionSpec(ctype, "Unknown", reason, _clip(message)))
         else:
-            words = "EFA" if area == EFA_AREA else "GPU"
+            words = "network" if area == NETWORK_AREA else "GPU"
             specs.append(ConditionSpec(ctype, "True", ALL_CHECKS_PASSED, f"no open {words} findings"))
     return tuple(specs)
 

@@ -44,6 +44,8 @@ from healthagent.policy.settings import Policy
 log = logging.getLogger(__name__)
 
 ADAPTER_EVENT = "RDMA_ADAPTER_EVENT"
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = (ADAPTER_EVENT,)
 MAX_ADAPTERS = 256  # adapters remembered; far above any real node, a bound for garbage input
 EARLIER_BOOT = "earlier boot"  # the boot of an event read from a kernel-log file's earlier boots
 
@@ -94,7 +96,7 @@ class AdapterJudge:
                 action = Action.REPLACE_NODE
         if action is Action.NONE:
             return  # informational (or silenced by the operator): counted in the metric only
-        where = Where(pci_bus_id=event.pci_bus_id, efa_device=event.device)
+        where = Where(pci_bus_id=event.pci_bus_id, fabric_device=event.device)
         name = adapter_words(event.pci_bus_id, event.device)
         what = event.event + (f" ({event.detail})" if event.detail else "")
         reason = entry.reason() + (f"; {again}, so the adapter must be replaced" if again else "")

@@ -46,11 +46,11 @@ class Where:
     gpu_index: int | None = None
     pci_bus_id: str = ""
     uuid: str = ""
-    efa_device: str = ""
+    fabric_device: str = ""
 
     @property
     def subject(self) -> str:
-        return self.pci_bus_id or self.efa_device or "node"
+        return self.pci_bus_id or self.fabric_device or "node"
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class Entry:
         return Finding(
             code=self.code, action=self.action, summary=self.summary, evidence=self.evidence,
             next_steps=self.next_steps, gpu_index=self.where.gpu_index,
-            pci_bus_id=self.where.pci_bus_id, uuid=self.where.uuid, efa_device=self.where.efa_device,
+            pci_bus_id=self.where.pci_bus_id, uuid=self.where.uuid, fabric_device=self.where.fabric_device,
             xids=self.xids, count=self.count, first_seen=self.first_seen, last_seen=self.last_seen,
             id=self.id,
         )
@@ -191,7 +191,7 @@ class Entry:
         raw = d["where"]
         index = raw.get("gpu_index")
         where = Where(None if index is None else int(index), str(raw.get("pci_bus_id", "")),
-                      str(raw.get("uuid", "")), str(raw.get("efa_device", "")))
+                      str(raw.get("uuid", "")), str(raw.get("fabric_device", "")))
         incident = Incident.from_dict(d.get("incident"))
         return cls(
             code=str(d["code"]), action=Action.parse(d["action"]), summary=str(d["summary"]),
@@ -383,7 +383,7 @@ class FindingBook:
         """A finding raised before its GPU's UUID was known learns it (replacement needs it)."""
         for entry in self.entries.values():
             if entry.where.pci_bus_id == pci_bus_id and not entry.where.uuid:
-                entry.where = Where(entry.where.gpu_index, pci_bus_id, uuid, entry.where.efa_device)
+                entry.where = Where(entry.where.gpu_index, pci_bus_id, uuid, entry.where.fabric_device)
 
     def findings(self, now: float) -> list[Finding]:
         self.expire(now)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from healthagent.policy.finding_catalog import catalog_rows
 from healthagent.policy.findings import duration_words
 
 FIELDS = ("count", "window", "sustain", "after_boot_grace")
@@ -88,47 +89,18 @@ class Row:
     rule: Rule = AT_ONCE
 
 
-# The built-in rules, one row per finding code. A new code gets a row here (tests check that every
-# code has one); a code without one is treated as an event opened at once.
+# The built-in rules, one row per finding code: the catalog's (findings.csv) reads, kind and debounce
+# columns. Why the numbers there are what they are: NVLink links train for minutes after a boot; a
+# hardware slowdown of a few seconds is a job's power or heat burst, minutes of it is a fan, the
+# airflow or a PSU (sustain 5 min); an InfiniBand link down for half a minute is an outage, not a
+# retrain, and after a boot the subnet manager takes a while to bring ports to ACTIVE (sustain 30 s,
+# after_boot_grace 5 min); link_downed increments are flaps, five within a minute flapping. A code
+# without a row is treated as an event opened at once.
 BUILT_IN: Mapping[str, Row] = MappingProxyType({
-    "GPU_XID": Row(EVENTS),
-    "NVSWITCH_SXID": Row(EVENTS),
-    "GPU_INIT_FAILED": Row(EVENTS),
-    "GPU_ECC_DBE": Row(GPU),
-    "GPU_SBE_STORM": Row(GPU),
-    "GPU_NVLINK_ERRORS": Row(GPU),
-    "GPU_PCIE_REPLAY": Row(GPU),
-    "GPU_LOST": Row(GPU, condition=True),
-    "GPU_ROW_REMAP_FAILURE": Row(GPU, condition=True),
-    "GPU_ROW_REMAP_PENDING": Row(GPU, condition=True),
-    "GPU_RETIRED_PAGES": Row(GPU, condition=True),
-    "GPU_RETIRED_PAGES_PENDING": Row(GPU, condition=True),
-    # A hardware slowdown of a few seconds is a job's power or heat burst; minutes of it is a fan,
-    # the airflow or a PSU.
-    "GPU_THERMAL_THROTTLE": Row(GPU, condition=True, rule=Rule(sustain=300.0)),
-    "GPU_POWER_THROTTLE": Row(GPU, condition=True, rule=Rule(sustain=300.0)),
-    "GPU_MISSING": Row(INVENTORY, condition=True),
-    "EFA_DEVICE_MISSING": Row(INVENTORY, condition=True),
-    "EFA_ADMIN_QUEUE_STUCK": Row(EFA),
-    "EFA_CMD_ERRORS": Row(EFA),
-    "EFA_UNRESPONSIVE_REMOTE": Row(EFA),
-    "EFA_IMPAIRED_REMOTE": Row(EFA),
-    "EFA_RETRANS_TIMEOUT": Row(EFA),
-    "EFA_RX_DROPS": Row(EFA),
-    "EFA_WR_ERRORS": Row(EFA),
-    # An InfiniBand link that is down for half a minute is an outage, not a retrain (a retrain
-    # that fails and recovers shows as link_downed, the flapping rule's signal). After a boot the
-    # subnet manager takes a while to bring ports to ACTIVE: no port-down finding before that.
-    "RDMA_PORT_DOWN": Row(RDMA, condition=True, rule=Rule(sustain=30.0, after_boot_grace=300.0)),
-    "RDMA_PORT_DEGRADED": Row(RDMA, condition=True),
-    # link_downed increments (one occurrence each): five flaps within a minute.
-    "RDMA_LINK_FLAPPING": Row(RDMA, rule=Rule(count=5, window=60.0)),
-    "RDMA_SYMBOL_ERRORS": Row(RDMA),
-    "RDMA_LINK_ERRORS": Row(RDMA),
-    "RDMA_RCV_ERRORS": Row(RDMA),
-    "RDMA_XMIT_DISCARDS": Row(RDMA),
-    "RDMA_DEVICE_MISSING": Row(INVENTORY, condition=True),
-    "RDMA_ADAPTER_EVENT": Row(EVENTS),
+    row.code: Row(row.reads, condition=row.kind == "condition",
+                  rule=Rule(count=row.count, window=row.window, sustain=row.sustain,
+                            after_boot_grace=row.after_boot_grace))
+    for row in catalog_rows()
 })
 UNLISTED = Row(EVENTS)
 

@@ -79,7 +79,7 @@ def engine_lines(xid: int, action: Action, vocabulary: str = "healthagent",
     if action is Action.NONE:
         return [head + "no finding, so no condition or label changes; no engine acts."]
     if vocabulary != "eks":
-        text = head + "GpuHealthy turns False (reason GPU_XID); no engine acts on GpuHealthy or EfaHealthy by itself."
+        text = head + "GpuHealthy turns False (reason GPU_XID); no engine acts on GpuHealthy or NetworkHealthy by itself."
         if node_action and not hyperpod_labels:
             text += (" The agent's taint takes the node out of its job; to have it replaced, set "
                      "condition_vocabulary=eks (Karpenter, managed node groups) or hyperpod_labels=true "

@@ -11,13 +11,13 @@ from __future__ import annotations
 from healthagent.policy.debounce import EVENTS, FIELDS, READING_WORDS, Rule, row
 from healthagent.policy.debounce_file import BUILT_IN_ORIGIN
 from healthagent.policy.explain import PERSISTENCE
+from healthagent.policy.finding_catalog import catalog
 from healthagent.policy.findings import FINDINGS, duration_words
 from healthagent.policy.settings import Policy
 
-# The quiet period after which an event finding below reboot_node closes (the rest: counter_quiet_seconds).
-_QUIET = {"GPU_XID": "xid_window_seconds", "NVSWITCH_SXID": "xid_window_seconds",
-          "GPU_INIT_FAILED": "xid_window_seconds", "GPU_ECC_DBE": "counter_window_seconds",
-          "RDMA_ADAPTER_EVENT": "mlx5_window_seconds"}
+# The thresholds that can end an event finding below reboot_node, first match in the row's
+# thresholds (the catalog's column) wins; none of them: counter_quiet_seconds.
+_QUIET_KEYS = ("xid_window_seconds", "counter_window_seconds", "mlx5_window_seconds", "counter_quiet_seconds")
 # Codes whose action a catalog decides per event, and where that catalog is.
 _CATALOG_ACTION = {"RDMA_ADAPTER_EVENT": "the mlx5 catalog's, per event (healthagent/policy/mlx5_events.csv; "
                                          "a policy file's `mlx5:` overrides a row)"}
@@ -55,7 +55,7 @@ def closes_words(code: str, policy: Policy) -> str:
     if row(code).condition:
         return (f"after {policy.condition_clear_evaluations:g} readings in a row without it "
                 "(condition_clear_evaluations)")
-    quiet = _QUIET.get(code, "counter_quiet_seconds")
+    quiet = next((k for k in _QUIET_KEYS if k in catalog()[code].thresholds), "counter_quiet_seconds")
     what = "finding" if code in _CATALOG_ACTION else "incident"
     below = (f" when below reboot_node; a reboot_node or replace_node {what} as for that action"
              if action is None else "")
@@ -73,6 +73,7 @@ def explain_code(code: str, policy: Policy) -> str:
                            f"{kind}, judged at {READING_WORDS[reads]}")]
     lines += rule_lines(code, policy)
     lines.append(f"Closes: {closes_words(code, policy)}")
+    lines += catalog_lines(code, policy)
     example = "count: 3, window: 10m, " + ("" if reads == EVENTS else "sustain: 5m, ") + "after_boot_grace: 15m"
     lines.append(f"To change when it opens: in the policy file (--policy-file FILE, or the policy_file setting) set "
                  f"`findings: {{{code}: {{{example}}}}}`, any of these")
@@ -91,3 +92,15 @@ def xid_rule_line(code: str, policy: Policy) -> str | None:
         return None
     return f"Finding rule: {code} opens {policy.rule(code).words()} (`healthagent explain {code}`)"
 
+
+def catalog_lines(code: str, policy: Policy) -> list[str]:
+    """The rest of the code's catalog row: the condition it turns, the thresholds its rule reads
+    (with the values in force) and its reason in each vocabulary."""
+    row = catalog()[code]
+    lines = [f"Condition: the node's {'network' if row.condition == 'network' else 'GPU'} condition"]
+    if row.thresholds:
+        lines.append("Thresholds: " + ", ".join(f"{key} {policy.thresholds[key]:g}" for key in row.thresholds))
+    source = "the EKS node monitoring agent's" if row.eks_reason_from == "nma" else "coined by healthagent"
+    lines.append(f"Reasons: {code} (healthagent vocabulary); {row.eks_reason} (eks, {source}); "
+                 f"fault-types {row.hyperpod_fault_type} (SageMaker HyperPod)")
+    return lines

@@ -47,6 +47,8 @@ from healthagent.policy.settings import Policy
 
 GPU_XID = "GPU_XID"
 NVSWITCH_SXID = "NVSWITCH_SXID"
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = (GPU_XID, NVSWITCH_SXID)
 MAX_RECENT = 256  # remembered events per (GPU, XID) for cross-source pairing
 # Open incidents on the whole node: a log that names hundreds of PCI ids (a driver printing XIDs
 # for devices NVML does not list, or garbage) must not grow the verdict and the state file

@@ -27,6 +27,8 @@ from healthagent.policy.findings import FINDINGS, gpu_words, steps_for
 
 MAX_KNOWN = 256  # devices remembered by id; a bound for garbage input, far above a real node
 GPU_SOURCES = ("nvml", "dcgm")
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = ("GPU_MISSING", "EFA_DEVICE_MISSING")
 
 
 def source_answered(collection: Collection, sources: tuple[str, ...], have_samples: bool,

@@ -42,6 +42,8 @@ RATE_RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("EFA_WR_ERRORS", ("rdma_read_wr_err", "rdma_write_wr_err"), "efa_wr_err_per_minute"),
 )
 SERIES = (ADMIN_QUEUE,) + tuple(code for code, _, _ in RATE_RULES)
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = ("EFA_ADMIN_QUEUE_STUCK",) + tuple(code for code, _, _ in RATE_RULES)
 
 
 def efa_key(sample: EfaSample) -> str:
@@ -106,7 +108,7 @@ def _total(counters: dict[str, Any], names: tuple[str, ...]) -> int | None:
 
 def _signal(code: str, device: str, evidence: str, quiet: float, count: int) -> Signal:
     info = FINDINGS[code]
-    return Signal(code=code, where=Where(efa_device=device), bad=True, kind=EVENT, action=info.action,
+    return Signal(code=code, where=Where(fabric_device=device), bad=True, kind=EVENT, action=info.action,
                   summary=f"EFA {device}: {info.title}", evidence=evidence,
                   next_steps=steps_for(code, device=device), quiet_seconds=quiet, count=max(1, count))
 
@@ -114,7 +116,7 @@ def _signal(code: str, device: str, evidence: str, quiet: float, count: int) -> 
 def _absent(code: str, device: str) -> Signal:
     """A reading without the code's signal (ends a run its rule counts; sent only for a rule
     that counts, ``Rules.counts``)."""
-    return Signal(code=code, where=Where(efa_device=device), bad=False, kind=EVENT)
+    return Signal(code=code, where=Where(fabric_device=device), bad=False, kind=EVENT)
 
 
 class EfaRules:

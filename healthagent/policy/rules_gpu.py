@@ -36,6 +36,10 @@ WEEK = 7 * 24 * 3600.0
 THERMAL_REASONS = {"hwthermalslowdown"}
 POWER_REASONS = {"hwpowerbrakeslowdown"}
 SERIES = ("dbe", "sbe", "nvlink", "nvlink_crc", "pcie", "retired_dbe")
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = ("GPU_LOST", "GPU_INIT_FAILED", "GPU_ECC_DBE", "GPU_SBE_STORM", "GPU_ROW_REMAP_FAILURE",
+            "GPU_ROW_REMAP_PENDING", "GPU_RETIRED_PAGES", "GPU_RETIRED_PAGES_PENDING", "GPU_NVLINK_ERRORS",
+            "GPU_PCIE_REPLAY", "GPU_THERMAL_THROTTLE", "GPU_POWER_THROTTLE")
 
 
 def gpu_key(gpu: GpuSample) -> str:

@@ -51,6 +51,9 @@ RATE_RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("RDMA_XMIT_DISCARDS", ("port_xmit_discards",), "rdma_xmit_discards_per_minute"),
 )
 SERIES = (FLAPS,) + tuple(code for code, _, _ in RATE_RULES)
+# The finding codes this module's rules produce (each has its row in findings.csv; a test checks both ways).
+PRODUCES = ("RDMA_PORT_DOWN", "RDMA_PORT_DEGRADED", "RDMA_LINK_FLAPPING", "RDMA_DEVICE_MISSING") + tuple(
+    code for code, _, _ in RATE_RULES)
 MAX_PORTS = 256  # ports remembered; far above a real node, a bound for garbage state
 MAX_KNOWN = 256
 
@@ -88,13 +91,13 @@ def _near(port: RdmaPort) -> str:
 
 def _signal(code: str, port: RdmaPort, evidence: str, kind: str = EVENT, **extra: Any) -> Signal:
     info = FINDINGS[code]
-    return Signal(code=code, where=Where(efa_device=port.name), bad=True, kind=kind, action=info.action,
+    return Signal(code=code, where=Where(fabric_device=port.name), bad=True, kind=kind, action=info.action,
                   summary=f"{port_words(port)}: {info.title}", evidence=evidence + _near(port),
                   next_steps=steps_for(code, device=port.name), **extra)
 
 
 def _good(code: str, port: RdmaPort, kind: str) -> Signal:
-    return Signal(code=code, where=Where(efa_device=port.name), bad=False, kind=kind)
+    return Signal(code=code, where=Where(fabric_device=port.name), bad=False, kind=kind)
 
 
 def peer_rates(ports: tuple[RdmaPort, ...]) -> dict[tuple[str, str], float]:
@@ -235,7 +238,7 @@ class RdmaJudge:
             if name in present or name.split("/")[0] in blind_devices:
                 continue  # judged by its own reading, or there perhaps but unreadable: unobserved
             info = FINDINGS["RDMA_PORT_DOWN"]
-            yield Signal(code="RDMA_PORT_DOWN", where=Where(efa_device=name), bad=True, kind=CONDITION,
+            yield Signal(code="RDMA_PORT_DOWN", where=Where(fabric_device=name), bad=True, kind=CONDITION,
                          action=info.action, summary=f"{name}: {info.title}",
                          evidence=f"no such port among the {len(collection.rdma)} InfiniBand/RoCE ports read; "
                                   f"the policy file expects it up (rdma_ports: {name})",

@@ -66,7 +66,7 @@ def test_an_infiniband_port_going_down_takes_the_node_out_of_the_job():
     assert "seen: state 1: DOWN, phys_state 2: Polling; it was up at " in out
     assert "next: Port mlx5_3/1 was up (or the policy file's rdma_ports: says it must be) and is not" in out and "`ibstat`" in out
     # The networking condition, then the node leaves the job: NoSchedule, NoExecute after the grace.
-    assert "condition EfaHealthy=False, reason RDMA_PORT_DOWN: the node's networking condition" in out
+    assert "condition NetworkHealthy=False, reason RDMA_PORT_DOWN: the node's networking condition" in out
     assert "taint NoSchedule now" in out and "taint NoExecute now" in out
     assert "taint effect now: NoExecute" in out
     assert 'healthagent_infiniband_port_up{device="mlx5_3",port="1"} 0.0' in out

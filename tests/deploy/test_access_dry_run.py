@@ -63,6 +63,7 @@ READS = {
     "watch its own node": False,
     "list the budget's Leases from the watch cache": False,
     "get a budget slot": False,
+    "watch the budget's Leases (a held node)": False,
     **{name: False for name, case in MATRIX.items()
        if isinstance(case.expect, ByRbac) and case.expect.verb in ("get", "list", "watch")},
 }
@@ -214,7 +215,7 @@ def test_the_matrix_holds_the_agents_writes_of_every_kind():
     """The writes the live agent makes (its node, its conditions, Events, budget Leases) are all
     among those the dry run must refuse, beside the ones a live install refuses too."""
     for name in ("strategic merge: add its NoSchedule taint", "strategic merge on /status: GpuHealthy False, "
-                 "EfaHealthy added", "create an Event about its node, as the agent builds it",
+                 "NetworkHealthy added", "create an Event about its node, as the agent builds it",
                  "create a budget slot in its own name (the first to take it)",
                  "take a free slot (an update with the version read)",
                  "claim the fleet's GPU node count in its own name"):

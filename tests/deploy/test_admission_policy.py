@@ -146,7 +146,7 @@ def set_annotations(n):
 def set_own_conditions(n):
     n["status"]["conditions"][1] = {"type": "GpuHealthy", "status": "False", "reason": "GPU_XID",
                                     "message": "XID 94 on GPU 3"}
-    n["status"]["conditions"].append({"type": "EfaHealthy", "status": "True", "reason": "NoFindings",
+    n["status"]["conditions"].append({"type": "NetworkHealthy", "status": "True", "reason": "NoFindings",
                                       "message": "ok"})
 
 
@@ -158,7 +158,7 @@ ALLOWED = {
     "set its own and HyperPod's labels": set_labels,
     "remove its own label": remove_own_label,
     "set its own and HyperPod's annotations": set_annotations,
-    "set GpuHealthy and add EfaHealthy": set_own_conditions,
+    "set GpuHealthy and add NetworkHealthy": set_own_conditions,
 }
 
 
@@ -261,9 +261,9 @@ DENIED = {
     "add a foreign label": (foreign_label_added, "labels"),
     "a label key that only starts like healthagent.io": (lookalike_label, "labels"),
     "change a foreign annotation": (foreign_annotation_changed, "annotations"),
-    "change the Ready condition": (ready_condition_changed, "GpuHealthy and EfaHealthy"),
-    "add a foreign condition": (foreign_condition_added, "GpuHealthy and EfaHealthy"),
-    "remove a foreign condition": (foreign_condition_removed, "GpuHealthy and EfaHealthy"),
+    "change the Ready condition": (ready_condition_changed, "GpuHealthy and NetworkHealthy"),
+    "add a foreign condition": (foreign_condition_added, "GpuHealthy and NetworkHealthy"),
+    "remove a foreign condition": (foreign_condition_removed, "GpuHealthy and NetworkHealthy"),
     "change allocatable GPUs": (allocatable_changed, "allocatable"),
 }
 

@@ -88,7 +88,7 @@ def finding(code: str = "GPU_XID", action: Action = Action.REPLACE_NODE, first_s
         code=code, action=action,
         summary=f"{code} on {pci or efa}",
         evidence=XID95_LINE if xids else "counter rose",
-        next_steps="drain and replace the node", pci_bus_id="" if efa else pci, efa_device=efa,
+        next_steps="drain and replace the node", pci_bus_id="" if efa else pci, fabric_device=efa,
         xids=xids, first_seen=first_seen, last_seen=first_seen, id=finding_id,
     )
 

@@ -67,7 +67,7 @@ def test_the_docs_name_every_reason_and_where_it_comes_from():
     (found("GPU_ECC_DBE"), "NvidiaDoubleBitError"),
     (found("GPU_MISSING"), "NvidiaDeviceCountMismatch"),
     (found("NVSWITCH_SXID"), "NvidiaNVSwitchFatalError"),
-    (found("EFA_DEVICE_MISSING", efa_device="rdmap79s0"), "EFADeviceMissing"),
+    (found("EFA_DEVICE_MISSING", fabric_device="rdmap79s0"), "EFADeviceMissing"),
     (found("EFA_RX_DROPS", Action.MONITOR), "EFAErrorMetric"),
     (found("GPU_SOMETHING_NEW"), "GPU_SOMETHING_NEW"),
     (found("GPU_XID", xids=()), "NvidiaXIDError"),
@@ -85,7 +85,7 @@ def test_deciding_xid_prefers_the_one_the_classifier_named():
 def test_the_config_and_the_vocabularies_agree():
     assert set(CONDITION_VOCABULARIES) == set(VOCABULARIES)
     assert vocabulary("eks").types == ("AcceleratedHardwareReady", "NetworkingReady")
-    assert vocabulary("healthagent").types == ("GpuHealthy", "EfaHealthy")
+    assert vocabulary("healthagent").types == ("GpuHealthy", "NetworkHealthy")
 
 
 # -- another writer -------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def ours(node: dict) -> list[tuple[str, str]]:
 
 
 # (mode, GPU condition, EFA condition, the reason an XID 94 gives, the False time after T0)
-MODES = [("healthagent", "GpuHealthy", "EfaHealthy", "GPU_XID", 0),
+MODES = [("healthagent", "GpuHealthy", "NetworkHealthy", "GPU_XID", 0),
          ("eks", "AcceleratedHardwareReady", "NetworkingReady", "NvidiaXID94Error", 120)]
 
 

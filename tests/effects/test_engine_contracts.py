@@ -77,7 +77,7 @@ def hyperpod_acts(node: dict) -> str:
 
 def efa_missing(at: float) -> Finding:
     return Finding(code="EFA_DEVICE_MISSING", action=Action.REBOOT_NODE, summary="EFA device rdmap79s0 missing",
-                   evidence="31 EFA devices read, expected 32", next_steps="reboot", efa_device="rdmap79s0",
+                   evidence="31 EFA devices read, expected 32", next_steps="reboot", fabric_device="rdmap79s0",
                    first_seen=at, last_seen=at, id=2)
 
 

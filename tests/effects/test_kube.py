@@ -63,7 +63,7 @@ def test_xid95_noschedule_then_noexecute_after_the_grace_with_labels_conditions_
     assert (gpu["status"], gpu["reason"]) == ("False", "GPU_XID")
     assert "NVRM: Xid (PCI:0000:53:00): 95" in gpu["message"]
     assert gpu["lastTransitionTime"] == gpu["lastHeartbeatTime"] == rfc3339(T0)
-    efa = condition(node, "EfaHealthy")
+    efa = condition(node, "NetworkHealthy")
     assert (efa["status"], efa["reason"]) == ("True", "AllChecksPassed")
     (event,) = cluster.events()
     assert (event["type"], event["reason"], event["action"]) == ("Warning", "GPU_XID", "Detected")
@@ -128,7 +128,7 @@ def test_reboot_taint_clears_when_healthy_again_with_a_normal_event(tmp_path, cl
     node = cluster.node(NODE)
     assert our_taints(node) == [] and node["metadata"]["labels"][HEALTH_LABEL] == "healthy"
     assert {c["type"]: c["status"] for c in node["status"]["conditions"]} == {
-        "Ready": "True", "GpuHealthy": "True", "EfaHealthy": "True"}
+        "Ready": "True", "GpuHealthy": "True", "NetworkHealthy": "True"}
     assert condition(node, "GpuHealthy")["lastTransitionTime"] == rfc3339(T0 + 600)
     assert [(e["type"], e["reason"]) for e in cluster.events()] == [("Warning", "GPU_ROW_REMAP_PENDING"),
                                                                     ("Normal", "Cleared")] or \
@@ -282,7 +282,7 @@ def test_stale_owned_taints_labels_and_conditions_are_cleared(tmp_path, cluster)
         n["metadata"]["labels"][HEALTH_LABEL] = "reboot-required"
         n["status"]["conditions"] += [
             {"type": "GpuHealthy", "status": "False", "reason": "GPU_XID", "message": "old"},
-            {"type": "EfaHealthy", "status": "False", "reason": "EFA_DEVICE_MISSING", "message": "old"}]
+            {"type": "NetworkHealthy", "status": "False", "reason": "EFA_DEVICE_MISSING", "message": "old"}]
 
     cluster.update_node(NODE, leftovers)
     effects = started(tmp_path, cluster)
@@ -292,7 +292,7 @@ def test_stale_owned_taints_labels_and_conditions_are_cleared(tmp_path, cluster)
     assert node["metadata"]["labels"][HEALTH_LABEL] == "healthy"
     assert {c["type"]: (c["status"], c["reason"]) for c in node["status"]["conditions"]} == {
         "Ready": ("True", "KubeletReady"), "GpuHealthy": ("True", "AllChecksPassed"),
-        "EfaHealthy": ("True", "AllChecksPassed")}
+        "NetworkHealthy": ("True", "AllChecksPassed")}
 
 
 def test_the_clear_annotation_flow(tmp_path, cluster):

@@ -36,7 +36,7 @@ def cluster(fake):
 
 def conditions(node):
     return {c["type"]: (c["status"], c["reason"]) for c in node["status"]["conditions"]
-            if c["type"] in ("GpuHealthy", "EfaHealthy")}
+            if c["type"] in ("GpuHealthy", "NetworkHealthy")}
 
 
 def budget_lists(fake):
@@ -52,7 +52,7 @@ def test_gpus_not_observed_are_unknown_not_healthy(tmp_path, cluster):
     status = effects.reconcile(blind, T0, "boot-1", health=(NVML_DOWN, KMSG_UP))
     node = cluster.node(NODE)
     assert conditions(node) == {"GpuHealthy": ("Unknown", "GpuNotObserved"),
-                                "EfaHealthy": ("True", "AllChecksPassed")}
+                                "NetworkHealthy": ("True", "AllChecksPassed")}
     message = condition(node, "GpuHealthy")["message"]
     assert "nvml: nvmlInit: Driver Not Loaded" in message and "unknown" in message
     assert node["metadata"]["labels"][HEALTH_LABEL] == "unknown"
@@ -75,8 +75,8 @@ def test_without_the_sources_health_the_message_is_generic(tmp_path, cluster):
     effects.reconcile(verdict(unobserved=("efa",)), T0, "boot-1")
     node = cluster.node(NODE)
     assert conditions(node) == {"GpuHealthy": ("True", "AllChecksPassed"),
-                                "EfaHealthy": ("Unknown", "EfaNotObserved")}
-    assert condition(node, "EfaHealthy")["message"] == (
+                                "NetworkHealthy": ("Unknown", "NetworkNotObserved")}
+    assert condition(node, "NetworkHealthy")["message"] == (
         "the agent cannot observe the EFA devices (no source answered); their health is unknown, not healthy")
     assert node["metadata"]["labels"][HEALTH_LABEL] == "unknown"
 
@@ -93,8 +93,8 @@ def test_infiniband_ports_not_observed_make_the_networking_condition_unknown(tmp
     effects.reconcile(verdict(unobserved=unobserved), T0, "boot-1", health=(rdma_down,))
     node = cluster.node(NODE)
     assert conditions(node) == {"GpuHealthy": ("True", "AllChecksPassed"),
-                                "EfaHealthy": ("Unknown", "EfaNotObserved")}
-    message = condition(node, "EfaHealthy")["message"]
+                                "NetworkHealthy": ("Unknown", "NetworkNotObserved")}
+    message = condition(node, "NetworkHealthy")["message"]
     assert all(w in message for w in words), message
     assert node["metadata"]["labels"][HEALTH_LABEL] == "unknown" and our_taints(node) == []
 
@@ -103,8 +103,8 @@ def test_an_open_finding_outranks_unobserved(tmp_path, cluster):
     effects = started(tmp_path, cluster)
     effects.reconcile(verdict(finding(), unobserved=("efa", "kernel_log")), T0, "boot-1", health=(EFA_DOWN,))
     node = cluster.node(NODE)
-    assert conditions(node) == {"GpuHealthy": ("False", "GPU_XID"), "EfaHealthy": ("Unknown", "EfaNotObserved")}
-    assert "Permission denied" in condition(node, "EfaHealthy")["message"]
+    assert conditions(node) == {"GpuHealthy": ("False", "GPU_XID"), "NetworkHealthy": ("Unknown", "NetworkNotObserved")}
+    assert "Permission denied" in condition(node, "NetworkHealthy")["message"]
     assert node["metadata"]["labels"][HEALTH_LABEL] == "replace-required"
     assert [t["value"] for t in our_taints(node)] == ["replace_node"]
 
@@ -118,7 +118,7 @@ def test_the_label_is_unknown_when_anything_is_unobserved_and_nothing_worse_appl
     effects.reconcile(verdict(unobserved=label), T0, "boot-1")
     node = cluster.node(NODE)
     assert node["metadata"]["labels"][HEALTH_LABEL] == shown
-    assert conditions(node) == {"GpuHealthy": ("True", "AllChecksPassed"), "EfaHealthy": ("True", "AllChecksPassed")}
+    assert conditions(node) == {"GpuHealthy": ("True", "AllChecksPassed"), "NetworkHealthy": ("True", "AllChecksPassed")}
 
 
 def test_degraded_outranks_unknown(tmp_path, cluster):

@@ -97,7 +97,7 @@ def test_health_label_values(action, value):
 
 
 @pytest.mark.parametrize("code,ctype", [("GPU_XID", "GpuHealthy"), ("NVSWITCH_SXID", "GpuHealthy"),
-                                        ("EFA_DEVICE_MISSING", "EfaHealthy"), ("GPU_LOST", "GpuHealthy")])
+                                        ("EFA_DEVICE_MISSING", "NetworkHealthy"), ("GPU_LOST", "GpuHealthy")])
 def test_condition_of_code(code, ctype):
     assert condition_of(code) == ctype
 
@@ -108,12 +108,12 @@ def test_conditions_carry_code_and_evidence_and_all_checks_passed():
     by_type = {s.type: s for s in specs}
     assert by_type["GpuHealthy"].status == "False" and by_type["GpuHealthy"].reason == "GPU_XID"
     assert "NVRM: Xid (PCI:0000:53:00): 95" in by_type["GpuHealthy"].message
-    assert by_type["EfaHealthy"].reason == "EFA_RX_DROPS"
+    assert by_type["NetworkHealthy"].reason == "EFA_RX_DROPS"
     healthy = {s.type: s for s in plan_conditions([])}
     assert {(s.status, s.reason) for s in healthy.values()} == {("True", "AllChecksPassed")}
     sticky = {s.type: s for s in plan_conditions([], Pending("", Action.REPLACE_NODE))}
     assert (sticky["GpuHealthy"].status, sticky["GpuHealthy"].reason) == ("False", "ReplacePending")
-    assert sticky["EfaHealthy"].status == "True"
+    assert sticky["NetworkHealthy"].status == "True"
 
 
 def test_node_patch_keeps_foreign_taints_in_place_and_pins_no_resource_version():
@@ -211,27 +211,27 @@ def test_not_observed_conditions_from_the_sources_detail_and_kept_while_unknown(
     assert planned == {
         "GpuHealthy": ("GpuNotObserved", "the agent cannot observe the GPUs (nvml: nvmlInit: Driver Not "
                                          "Loaded); their health is unknown, not healthy"),
-        "EfaHealthy": ("EfaNotObserved", "the agent cannot observe the EFA devices (no source answered); "
+        "NetworkHealthy": ("NetworkNotObserved", "the agent cannot observe the EFA devices (no source answered); "
                                          "their health is unknown, not healthy")}
     on_node = node_with(conditions=[{"type": "GpuHealthy", "status": "Unknown", "reason": "GpuNotObserved",
                                      "message": "as first seen"},
-                                    {"type": "EfaHealthy", "status": "True", "reason": "AllChecksPassed",
+                                    {"type": "NetworkHealthy", "status": "True", "reason": "AllChecksPassed",
                                      "message": "no open EFA findings"}])
     planned = not_observed_conditions(on_node, ("gpu", "efa"), ())
     assert planned["GpuHealthy"] == ("GpuNotObserved", "as first seen")
-    assert planned["EfaHealthy"][1].startswith("the agent cannot observe the EFA devices")
+    assert planned["NetworkHealthy"][1].startswith("the agent cannot observe the EFA devices")
     assert not_observed_conditions(on_node, ("kernel_log",), health) == {}
 
 
 def test_plan_conditions_unknown_without_findings_false_with_them():
-    not_observed = {"GpuHealthy": ("GpuNotObserved", "m"), "EfaHealthy": ("EfaNotObserved", "e")}
+    not_observed = {"GpuHealthy": ("GpuNotObserved", "m"), "NetworkHealthy": ("NetworkNotObserved", "e")}
     specs = plan_conditions([finding("EFA_RX_DROPS", Action.MONITOR, pci="", efa="rdmap79s0", xids=())],
                             not_observed=not_observed)
     assert [(c.type, c.status, c.reason) for c in specs] == [
-        ("GpuHealthy", "Unknown", "GpuNotObserved"), ("EfaHealthy", "False", "EFA_RX_DROPS")]
+        ("GpuHealthy", "Unknown", "GpuNotObserved"), ("NetworkHealthy", "False", "EFA_RX_DROPS")]
     sticky = plan_conditions([], Pending("GPU_XID", Action.REPLACE_NODE), not_observed=not_observed)
     assert [(c.type, c.status, c.reason) for c in sticky] == [
-        ("GpuHealthy", "False", "ReplacePending"), ("EfaHealthy", "Unknown", "EfaNotObserved")]
+        ("GpuHealthy", "False", "ReplacePending"), ("NetworkHealthy", "Unknown", "NetworkNotObserved")]
 
 
 # -- reboot_node leaves the job too; the eks vocabulary; the boot a reboot taint waits out ----------

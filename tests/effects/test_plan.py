@@ -169,7 +169,7 @@ def test_a_taint_removed_by_hand_is_written_as_the_clear_and_held():
 def test_unobserved_is_unknown_not_healthy_and_never_a_taint():
     plan = plan_node(verdict(unobserved=("gpu", "efa")), node(), None, Budget.UNASKED, SETTINGS, T0)
     statuses = {c.type: (c.status, c.reason) for c in plan.desired.conditions}
-    assert statuses == {"GpuHealthy": ("Unknown", "GpuNotObserved"), "EfaHealthy": ("Unknown", "EfaNotObserved")}
+    assert statuses == {"GpuHealthy": ("Unknown", "GpuNotObserved"), "NetworkHealthy": ("Unknown", "NetworkNotObserved")}
     assert our_taint(plan) is None and plan.desired.labels[HEALTH_LABEL] == "unknown"
 
 

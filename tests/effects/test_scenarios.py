@@ -108,7 +108,7 @@ def test_xid94_noschedule_then_noexecute_after_the_grace_with_conditions_and_one
                            "timeAdded": rfc3339(T0)}]
     assert foreign(node) == [NOT_READY]  # admission's taint (the fake adds the same) is kept
     assert node["metadata"]["labels"][HEALTH_LABEL] == "replace-required"
-    gpu, efa = condition(node, "GpuHealthy"), condition(node, "EfaHealthy")
+    gpu, efa = condition(node, "GpuHealthy"), condition(node, "NetworkHealthy")
     assert (gpu["status"], gpu["reason"]) == ("False", "GPU_XID") and XID94_LINE in gpu["message"]
     assert gpu["lastTransitionTime"] == gpu["lastHeartbeatTime"] == rfc3339(T0)
     assert (efa["status"], efa["reason"]) == ("True", "AllChecksPassed")
@@ -147,7 +147,7 @@ def test_foreign_taints_labels_annotations_and_conditions_are_untouched_and_in_o
     assert after["spec"]["taints"] == before["spec"]["taints"]
     assert after["metadata"]["labels"]["team"] == "llm"
     assert after["metadata"]["annotations"]["example.com/owner"] == "infra"
-    theirs = [c for c in after["status"]["conditions"] if c["type"] not in ("GpuHealthy", "EfaHealthy")]
+    theirs = [c for c in after["status"]["conditions"] if c["type"] not in ("GpuHealthy", "NetworkHealthy")]
     assert theirs == before["status"]["conditions"] == [READY, FOREIGN_CONDITION]
     no_internal_errors(effects)
 
@@ -166,7 +166,7 @@ def test_conditions_transition_only_when_their_status_flips(tmp_path, cluster):
     node = cluster.node(name)
     gpu = condition(node, "GpuHealthy")
     assert (gpu["status"], gpu["lastTransitionTime"]) == ("True", rfc3339(T0 + 60))
-    assert condition(node, "EfaHealthy")["lastTransitionTime"] == rfc3339(T0)  # never flipped
+    assert condition(node, "NetworkHealthy")["lastTransitionTime"] == rfc3339(T0)  # never flipped
     assert ours(node) == [] and node["metadata"]["labels"][HEALTH_LABEL] == "healthy"
     assert [e["reason"] for e in events_about(cluster, name)].count("Cleared") == 1
 

@@ -32,7 +32,7 @@ def explained(capsys, *argv: str) -> str:
 def test_the_default_vocabulary_says_no_engine_acts_and_how_to_get_one(capsys):
     out = explained(capsys, "94")
     assert "Engines (condition_vocabulary=healthagent): GpuHealthy turns False" in out
-    assert "no engine acts on GpuHealthy or EfaHealthy by itself" in out
+    assert "no engine acts on GpuHealthy or NetworkHealthy by itself" in out
     assert "condition_vocabulary=eks" in out and "hyperpod_labels=true" in out
     assert "Karpenter node repair" not in out
 

@@ -17,7 +17,7 @@ import yaml
 
 from healthagent.agent import AdapterTally
 from healthagent.common import ErrorTally
-from healthagent.effects.node_desired import EFA_CONDITION, condition_of
+from healthagent.effects.node_desired import NETWORK_CONDITION, condition_of
 from healthagent.model import Action, AdapterEvent, AgentSnapshot, Collection, RdmaPort
 from healthagent.policy.adapters import ADAPTER_EVENT, MAX_ADAPTERS
 from healthagent.policy.catalog import load_catalog
@@ -76,11 +76,11 @@ def test_a_fatal_adapter_takes_the_node_out_on_the_networking_condition():
     assessment = observe(judge(), events(FATAL))
     finding = the_finding(assessment)
     assert assessment.verdict.action is Action.REBOOT_NODE and finding.action is Action.REBOOT_NODE
-    assert (finding.pci_bus_id, finding.efa_device, finding.gpu_index) == (PCI, "mlx5_2", None)
+    assert (finding.pci_bus_id, finding.fabric_device, finding.gpu_index) == (PCI, "mlx5_2", None)
     assert FATAL in finding.evidence and "mlx5 catalog: fatal_error -> reboot_node" in finding.evidence
     assert "mlx5_2 (0000:41:00.0)" in finding.summary and "sensor 5" in finding.summary
     assert "docs/findings.md#rdma_adapter_event" in finding.next_steps
-    assert condition_of(finding.code) == EFA_CONDITION  # the networking condition, with the ports
+    assert condition_of(finding.code) == NETWORK_CONDITION  # the networking condition, with the ports
     assert [(e.event, e.device) for e in assessment.adapter_events] == [("fatal_error", "mlx5_2")]
 
 
@@ -108,7 +108,7 @@ def test_the_device_name_is_kept_once_the_adapter_is_gone():
     gone = observe(classifier, events(FATAL, at=T0 + 90), now=T0 + 100, rdma=())
     assert [e.device for e in gone.adapter_events] == ["mlx5_2"]
     unknown = observe(judge(), events(FATAL), rdma=())
-    assert [e.device for e in unknown.adapter_events] == [""] and the_finding(unknown).efa_device == ""
+    assert [e.device for e in unknown.adapter_events] == [""] and the_finding(unknown).fabric_device == ""
 
 
 def test_an_earlier_boots_events_are_history_not_findings_nor_counts():
@@ -160,7 +160,7 @@ def test_the_history_survives_a_restart_through_the_state_file():
     restarted.restore_state(saved)
     assert restarted.restore_errors == 0
     back = observe(restarted, events(FATAL, at=T0 + 590), now=T0 + 600, boot_id=BOOT_B, rdma=())
-    assert the_finding(back).action is Action.REPLACE_NODE and the_finding(back).efa_device == "mlx5_2"
+    assert the_finding(back).action is Action.REPLACE_NODE and the_finding(back).fabric_device == "mlx5_2"
 
 
 def test_garbage_history_in_the_state_is_dropped_and_counted():
@@ -264,7 +264,7 @@ def test_the_agent_reads_judges_counts_and_shows_an_adapter_event(tmp_path):
         verdict = running.agent.cycle()
         codes = {(f.code, f.subject, f.action) for f in verdict.findings}
         assert {(ADAPTER_EVENT, PCI, Action.REBOOT_NODE), (ADAPTER_EVENT, "0000:0c:00.0", Action.MONITOR)} <= codes
-        networking = {c.type: c for c in plan_conditions(verdict.findings)}[EFA_CONDITION]
+        networking = {c.type: c for c in plan_conditions(verdict.findings)}[NETWORK_CONDITION]
         assert (networking.status, networking.reason) == ("False", ADAPTER_EVENT)
         [family] = [f for f in text_string_to_metric_families(generate_latest(running.telemetry.registry).decode())
                     if f.name == "healthagent_mlx5_events"]

@@ -52,7 +52,7 @@ def test_admin_queue_stuck_is_reboot_class():
     verdict = verdict_of(clf, collect(T0 + 10, efa=[efa(DEVICES[0], T0 + 10, no_completion_cmds=1)]
                                   + fleet(T0 + 10, skip=DEVICES[:1], no_completion_cmds=0)))
     finding = only(verdict, "EFA_ADMIN_QUEUE_STUCK")
-    assert (finding.efa_device, finding.action, finding.evidence) == (
+    assert (finding.fabric_device, finding.action, finding.evidence) == (
         DEVICES[0], Action.REBOOT_NODE, "no_completion_cmds 0 -> 1")
     later = verdict_of(clf, collect(T0 + 7200, efa=[efa(DEVICES[0], T0 + 7200, no_completion_cmds=1)]
                                 + fleet(T0 + 7200, skip=DEVICES[:1], no_completion_cmds=0)))
@@ -75,7 +75,7 @@ def test_error_rates_over_100_a_minute(counter, code):
                 for i, v in enumerate(steps)]
     assert [v.findings for v in verdicts[:3]] == [(), (), ()]
     finding = only(verdicts[3], code)
-    assert finding.action is Action.MONITOR and finding.efa_device == "rdmap79s0"
+    assert finding.action is Action.MONITOR and finding.fabric_device == "rdmap79s0"
     assert "+190 in 60 s (limit 100/min)" in finding.evidence
     assert f"docs/findings.md#{code.lower()}" in finding.next_steps
 

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from healthagent.check_report import check_json
 from healthagent.model import Action, Collection
 from healthagent.policy.catalog import load_catalog
 from healthagent.policy.classify import Classifier
@@ -66,6 +67,19 @@ def test_a_port_going_down_is_a_node_action_after_half_a_minute(tmp_path):
     # The link returns: the reboot-class finding stays until a reboot or an operator's clear.
     node.tree.set_state("mlx5_3", ACTIVE, LINK_UP)
     assert ("RDMA_PORT_DOWN", "mlx5_3/1") in codes(node.read(4))
+
+
+def test_a_port_findings_port_is_its_fabric_device_in_check_json(tmp_path):
+    """The port field names the fabric, not EFA: an InfiniBand port's finding carries it in
+    ``fabric_device``, and ``check --json`` prints it there."""
+    node = Node(tmp_path)
+    node.read(2)
+    node.tree.set_state("mlx5_3", DOWN, DISABLED)
+    verdict = node.read(4)
+    (finding,) = [f for f in verdict.findings if f.code == "RDMA_PORT_DOWN"]
+    printed = check_json(Collection(timestamp=node.t), verdict)["findings"]
+    assert [(f["code"], f["fabric_device"], f["pci_bus_id"]) for f in printed] == [("RDMA_PORT_DOWN", "mlx5_3/1", "")]
+    assert "efa_device" not in printed[0] and finding.subject == "mlx5_3/1"
 
 
 def test_a_roce_port_going_down_counts_too(tmp_path):

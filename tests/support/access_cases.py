@@ -113,7 +113,7 @@ CORDON = "healthagent may not cordon or uncordon a node (spec.unschedulable)"
 LABELS = ("healthagent may change only labels under healthagent.io/ and HyperPod's node-health-status, "
           "fault-types and fault-reasons")
 ANNOTATIONS = "healthagent may change only annotations under healthagent.io/ and HyperPod's fault-details"
-CONDITIONS = "healthagent may change only the GpuHealthy and EfaHealthy node conditions"
+CONDITIONS = "healthagent may change only the GpuHealthy and NetworkHealthy node conditions"
 CAPACITY = "healthagent may not change a node's capacity or allocatable resources"
 SPEC = ("healthagent may change only its own taints in a node's spec (not providerID, podCIDR(s), externalID "
         "or configSource)")
@@ -193,9 +193,9 @@ ALLOWED = {
                                        "path": pointer("metadata", "annotations", CLEAR_HANDLED_ANNOTATION)}]),
         Allowed(lambda w: w.node()["metadata"]["annotations"][CLEAR_HANDLED_ANNOTATION] == "ticket-2")),
     # its conditions
-    "strategic merge on /status: GpuHealthy False, EfaHealthy added": Case(
-        lambda w: strategic(w, w.a, conditions(("GpuHealthy", "False"), ("EfaHealthy", "True")), status=True),
-        Allowed(lambda w: [condition_status(w, c) for c in ("GpuHealthy", "EfaHealthy")] == ["False", "True"])),
+    "strategic merge on /status: GpuHealthy False, NetworkHealthy added": Case(
+        lambda w: strategic(w, w.a, conditions(("GpuHealthy", "False"), ("NetworkHealthy", "True")), status=True),
+        Allowed(lambda w: [condition_status(w, c) for c in ("GpuHealthy", "NetworkHealthy")] == ["False", "True"])),
     "json patch on /status: GpuHealthy False (test: its type at that index)": Case(
         lambda w: json_patch(w, w.a, at_condition(w, "GpuHealthy", {"op": "replace", "path": "/status",
                                                                     "value": "False"}), status=True),
@@ -255,7 +255,7 @@ DENIED_BY_POLICY = {
         ByPolicy(NODE_POLICY, OTHER_NODE)),
     "json patch on /status: a condition on node B": Case(
         lambda w: json_patch(w, w.b, [{"op": "add", "path": "/status/conditions/-", "value": {
-            "type": "EfaHealthy", "status": "False", "reason": "Test", "message": "m"}}], status=True),
+            "type": "NetworkHealthy", "status": "False", "reason": "Test", "message": "m"}}], status=True),
         ByPolicy(NODE_POLICY, OTHER_NODE)),
     # foreign taints
     "strategic merge: remove a foreign taint": Case(

@@ -80,7 +80,7 @@ def demo_verdict() -> Verdict:
                 next_steps="watch", gpu_index=2, pci_bus_id=pci(2), uuid=uuid(2), xids=(13,),
                 first_seen=NOW - 40, last_seen=NOW - 40),
         Finding(code="EFA_RX_DROPS", action=Action.MONITOR, summary="rx drops rising",
-                evidence="rx_drops +500/min", next_steps="check the fabric", efa_device="rdmap16s0",
+                evidence="rx_drops +500/min", next_steps="check the fabric", fabric_device="rdmap16s0",
                 first_seen=NOW - 30, last_seen=NOW),
     )
     return Verdict.of(findings, NOW)

@@ -187,7 +187,7 @@ def test_series_for_the_demo_node_stay_bounded():
 def test_findings_count_open_findings_by_code_and_action():
     findings = tuple(
         Finding(code="EFA_RX_DROPS", action=Action.MONITOR, summary="", evidence="", next_steps="",
-                efa_device=f"rdmap{i}s0", first_seen=NOW) for i in range(3))
+                fabric_device=f"rdmap{i}s0", first_seen=NOW) for i in range(3))
     telemetry = Telemetry("1")
     telemetry.publish(demo_snapshot(verdict=Verdict.of(findings, NOW)))
     families = parse(generate_latest(telemetry.registry).decode())

@@ -1,0 +1,71 @@
+"""Write docs/reference/findings.md from the finding catalog (healthagent/policy/findings.csv).
+
+    python docs/reference/generate_findings.py          # rewrite docs/reference/findings.md
+    python docs/reference/generate_findings.py --check  # exit 1 when the file is stale
+
+Generated, not written by hand: a copy of the catalog drifts. The output is deterministic, so the
+test suite renders it and compares it with the committed file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from healthagent.effects.conditions import VOCABULARIES
+from healthagent.policy.debounce import BUILT_IN
+from healthagent.policy.finding_catalog import CATALOG_FILE, CatalogRow, catalog_rows
+
+TARGET = Path(__file__).with_name("findings.md")
+HEADER = f"""# Finding codes (generated)
+
+Generated from `healthagent/policy/{CATALOG_FILE}` by `docs/reference/generate_findings.py`; do not
+edit by hand. The runbook of each code is its section in [findings.md](../findings.md);
+`healthagent explain CODE` prints the same row with the policy in force.
+
+Columns: the node condition a finding turns (default vocabulary / `eks`), the action it demands
+(`per event`: the XID or ConnectX catalog decides), when it opens by default (the `findings:` rule
+of the policy file), the `thresholds:` keys its rule reads, its condition reason under `eks`
+(the default vocabulary's reason is the code), and SageMaker HyperPod's `fault-types` value.
+"""
+
+
+def _condition(row: CatalogRow) -> str:
+    area = "network" if row.condition == "network" else "gpu"
+    return " / ".join(f"`{vocab.type_of(area)}`" for vocab in VOCABULARIES.values())
+
+
+def _line(row: CatalogRow) -> str:
+    cells = (f"[`{row.code}`](../{row.runbook.removeprefix('docs/')})", row.title, _condition(row),
+             f"`{row.action}`" if row.action else "per event", BUILT_IN[row.code].rule.words(),
+             " ".join(f"`{key}`" for key in row.thresholds) or "-",
+             f"`{row.eks_reason}`" + (" (coined)" if row.eks_reason_from == "coined" else ""),
+             row.hyperpod_fault_type)
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
+def render() -> str:
+    lines = [HEADER, "| code | meaning | condition | action | opens | thresholds | eks reason | HyperPod |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [_line(row) for row in catalog_rows()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the committed file is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = TARGET.read_text(encoding="utf-8") if TARGET.exists() else ""
+        if current != text:
+            print(f"{TARGET} is stale: run python docs/reference/generate_findings.py", file=sys.stderr)
+            return 1
+        return 0
+    TARGET.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
