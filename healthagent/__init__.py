@@ -1,3 +1,3 @@
-"""healthagent: GPU and EFA health agent for Kubernetes training clusters."""
+"""healthagent: GPU, EFA and InfiniBand/RoCE health agent for Kubernetes training clusters."""
 
 __version__ = "0.1.0"

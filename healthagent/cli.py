@@ -18,8 +18,8 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
+import socket
 import sys
 import textwrap
 import time
@@ -140,10 +140,16 @@ STATE_FILE_HELP = (f"state that survives restarts (default in a pod: {_default('
                    "of the DaemonSet on this node owns)")
 
 
+CHECK_EXIT_CODES = ("exit codes: 0 healthy; 1 degraded (monitor to reset_gpu: the node stays in); 2 node action "
+                    "required (reboot_node or replace_node); 3 could not run (a usage, config or input error, or "
+                    "the GPUs could not be observed while NVML was asked for and nothing seen demands a node action)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="healthagent",
-        description="GPU and EFA health agent: detect faults, explain them, take the node out safely.",
+        description="GPU, EFA and InfiniBand/RoCE health agent: detect faults, explain them, take the node out "
+                    "safely.",
     )
     parser.add_argument("--version", action="version", version=f"healthagent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -154,26 +160,30 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"where /metrics, /healthz and /readyz are served (default {_default('listen')})")
     run.add_argument("--training-listen", metavar="HOST:PORT",
                      help="where the training intake, POST /v1/training, is served (default: listen's "
-                          "host, port 9412)")
+                          "host, two ports above listen's: 9412 beside 9410)")
     run.add_argument("--training-intake", choices=("token", "open", "off"),
                      help=f"who may post training reports (default {_default('training_intake')}: a job "
                           "token or the training key)")
     run.add_argument("--kube", metavar="MODE",
                      help=f"in-cluster, kubeconfig, dry-run or off (default {_default('kube')})")
     run.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig file when --kube kubeconfig")
-    run.add_argument("--node-name", help="this node's name (default: NODE_NAME); needed by every --kube mode but off")
+    run.add_argument("--node-name", help="this node's name (default: NODE_NAME; outside a pod with --kube dry-run, "
+                                         "this host's name); needed by every --kube mode but off")
     run.add_argument("--state-file", metavar="FILE", help=STATE_FILE_HELP)
     run.add_argument("--hyperpod-labels", action="store_const", const="true",
                      help="also set sagemaker.amazonaws.com/node-health-status")
 
-    check = sub.add_parser("check", help="collect once, classify, print the verdict (exit 0/1/2/3)")
+    check = sub.add_parser("check", help="collect once, classify, print the verdict (exit 0/1/2/3)",
+                           description="Collect once from every source, classify, print the verdict.",
+                           epilog=CHECK_EXIT_CODES)
     _add_host_flags(check, "ERROR")
     check.add_argument("--json", action="store_true", help="print JSON for machines")
 
     classify = sub.add_parser(
         "classify", help="classify XID, SXid and ConnectX (mlx5) lines of kernel-log text, one JSON object per event",
         description="One JSON object per XID, SXid or ConnectX (mlx5_core) adapter event line on stdout; how "
-                    "many lines were read and how many were events goes to stderr.")
+                    "many lines were read and how many were events goes to stderr. With no file and no "
+                    "--host-root it reads standard input (saying so when that is a terminal).")
     classify.add_argument("file", nargs="?",
                           help="dmesg/journalctl/kmsg text, - for stdin (default: the kernel log under "
                                "--host-root when it is given, else stdin)")
@@ -209,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep-running", action="store_true",
                       help="keep serving /metrics after the script, until Ctrl-C")
     demo.add_argument("--prepare", metavar="DIR",
-                      help="only write the demo host root to DIR (for check/run --host-root DIR)")
+                      help="only write the demo host root to DIR (for check/run --host-root DIR): a new or "
+                           "empty folder, or one --prepare wrote before (written again)")
+    demo.add_argument("--replace", action="store_true",
+                      help="with --prepare: replace a demo node of the other --fabric in DIR")
 
     token = sub.add_parser("training-token", help="print the token that lets a training job report "
                                                   "(derived from the training key; docs/training.md)")
@@ -270,6 +283,10 @@ def _catalog(policy_file: str | None, settings: Settings | None = None):
     return policy, load_catalog(policy)
 
 
+STDIN_NOTE = ("classify: reading kernel-log text from standard input: paste lines, then Ctrl-D "
+              "(or pass a file: healthagent classify /var/log/kern.log; dmesg | healthagent classify)")
+
+
 def cmd_classify(args: argparse.Namespace) -> int:
     """One JSON object per XID, SXid or mlx5 adapter event line on stdout; on stderr, how many
     lines were read and how many were events (so an empty stdout says "none found", not "nothing
@@ -282,6 +299,8 @@ def cmd_classify(args: argparse.Namespace) -> int:
     policy, catalog = _catalog(args.policy_file)
     mlx5 = load_mlx5_catalog(policy.mlx5_actions)
     source = classify_input(args.file, args.host_root)
+    if source.path == "-" and sys.stdin.isatty():  # else a terminal waits in silence for the paste
+        print(STDIN_NOTE, file=sys.stderr, flush=True)
     read = 0
 
     def counted() -> Iterator[str]:
@@ -332,7 +351,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
 # -- check ----------------------------------------------------------------------------------------
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from healthagent.cli_inputs import named_kernel_log_problem
+
     settings = _settings(args)
+    problem = named_kernel_log_problem(settings.kernel_log)
+    if problem:
+        raise CannotRun(f"check: {problem}")
     _setup_logging(settings.log_level if args.log_level else "ERROR")
     from healthagent.wiring import build_classifier
 
@@ -354,18 +378,24 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """``healthagent run``: start, wait for SIGTERM/SIGINT, finish the write in flight, exit 0.
 
-    Outside a pod, with no state file named, the state goes to the user's state directory and one
-    log line says where (``cli_inputs.choose_state_file`` says why)."""
-    from healthagent.cli_inputs import choose_state_file, in_a_pod, state_file_given
+    Outside a pod, with no state file named, the state goes to the user's state directory, and a
+    dry run with no node name reports as this host; one log line says each (``cli_inputs`` says
+    why)."""
+    from healthagent.cli_inputs import choose_state_file, dry_run_node_name, in_a_pod, state_file_given
 
     settings = _settings(args)
     given = state_file_given(args.state_file, parse_set_values(args.set_values), os.environ, args.config)
-    choice = choose_state_file(given, in_a_pod(os.environ), os.environ, os.path.expanduser("~"))
-    if choice.path:
-        settings = _settings(args, state_file=choice.path)
+    in_pod = in_a_pod(os.environ)
+    choice = choose_state_file(given, in_pod, os.environ, os.path.expanduser("~"))
+    node = dry_run_node_name(settings.kube, settings.node_name, in_pod, socket.gethostname())
+    overrides = {**({"state_file": choice.path} if choice.path else {}),
+                 **({"node_name": node.name} if node.name else {})}
+    if overrides:
+        settings = _settings(args, **overrides)
     _setup_logging(settings.log_level)
-    if choice.note:
-        logging.getLogger(__name__).info(choice.note)
+    for note in (choice.note, node.note):
+        if note:
+            logging.getLogger(__name__).info(note)
     from healthagent.wiring import AgentRuntime
 
     runtime = AgentRuntime(settings)
@@ -384,55 +414,30 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from healthagent.demo.prepare import PrepareRefused
     from healthagent.demo.script import run_demo
+    from healthagent.demo.stub_nvml import StubBuildError
 
     if args.fabric == "ib" and args.xid is not None:
         raise CannotRun("demo: --xid is the efa demo's fault; the ib demo's fault is an InfiniBand port "
                         "going down (--gpu picks the GPU whose port it is): leave out --xid, or use --fabric efa")
+    if args.replace and not args.prepare:
+        raise CannotRun("demo: --replace goes with --prepare DIR (it replaces the demo node in DIR)")
     if args.xid is None:
         args.xid = DEMO_XID
-    return run_demo(args)
+    try:
+        return run_demo(args)
+    except PrepareRefused as exc:
+        raise CannotRun(str(exc)) from None
+    except StubBuildError as exc:  # the demo's GPUs are a stub library compiled from C on this machine
+        raise CannotRun(f"demo: {' '.join(str(exc).split())[:400]}; or try the node without GPUs: "
+                        "healthagent demo --prepare DIR, then healthagent check --host-root DIR --no-nvml") from None
 
-
-# -- training-token -------------------------------------------------------------------------------
 
 def cmd_training_token(args: argparse.Namespace) -> int:
-    """Print a job's token, or a Secret holding it: the one step that gives a job its credential.
+    from healthagent.cli_token import training_token
 
-    Run where the training key is (``kubectl -n healthagent exec ds/healthagent -- healthagent
-    training-token JOB ...``: the agent's pod has it from the Secret healthagent-training)."""
-    from healthagent.training.access import job_token
-    from healthagent.training.schema import ReportError, parse_report
-
-    settings = load_settings(config_file=args.config)
-    if not settings.training_token:
-        raise CannotRun("training-token: no training key here (training_token is empty); run it in an "
-                        "agent's pod: kubectl -n healthagent exec ds/healthagent -- healthagent "
-                        "training-token JOB, after creating the Secret healthagent-training "
-                        "(docs/training.md)")
-    try:
-        parse_report({"type": "end", "job": args.job})  # the intake's own rule for a job name
-    except ReportError as exc:
-        raise CannotRun(f"training-token: {exc}") from None
-    token = job_token(settings.training_token, args.job)
-    if not args.namespace:
-        print(token)
-        return 0
-    name = args.name or _secret_name(args.job)
-    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-              "metadata": {"name": name, "namespace": args.namespace,
-                           "labels": {"app.kubernetes.io/part-of": "healthagent"}},
-              "stringData": {"job": args.job, "token": token}}
-    print(json.dumps(secret, indent=2))
-    return 0
-
-
-def _secret_name(job: str) -> str:
-    """``healthagent-job-<job>`` as a Kubernetes object name (lower case, ``-`` for the rest)."""
-    slug = re.sub(r"[^a-z0-9.-]+", "-", job.lower()).strip("-.")[:200].rstrip("-.")
-    if not slug:
-        raise CannotRun(f"training-token: {job!r} gives no usable Secret name; pass --name NAME")
-    return f"healthagent-job-{slug}"
+    return training_token(args)
 
 
 COMMANDS = {"run": cmd_run, "check": cmd_check, "classify": cmd_classify, "explain": cmd_explain,
@@ -457,11 +462,18 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return EXIT_BROKEN_PIPE
-    except Exception as exc:  # policy file errors and the like: one line, exit 3
+    except OSError as exc:  # a file, folder or device the command could not use
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"healthagent: {args.command}: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except Exception as exc:  # policy file errors: one line, exit 3; anything else too, said as a bug
         if type(exc).__name__ in ("PolicyError",):
             print(f"healthagent: policy error: {exc}", file=sys.stderr)
             return EXIT_CANNOT_RUN
-        raise
+        logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)  # --log-level DEBUG
+        print(f"healthagent: {args.command}: unexpected {type(exc).__name__}: {' '.join(str(exc).split())[:200]} "
+              "(a bug: please report it)", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     except KeyboardInterrupt:
         return 130
 

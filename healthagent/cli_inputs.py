@@ -79,6 +79,59 @@ def choose_state_file(given: bool, in_pod: bool, env: Mapping[str, str], home: s
         "with --state-file FILE)"))
 
 
+# -- run: the node a dry run reports as -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeChoice:
+    """The node name ``run`` uses when none was given (empty: none chosen), and the line saying so."""
+
+    name: str
+    note: str = ""
+
+
+def dry_run_node_name(kube: str, node_name: str, in_pod: bool, hostname: str) -> NodeChoice:
+    """The node name a dry run by hand uses when none was given: this host's name, lower case, as
+    the kubelet registers a node by default.
+
+    Only for ``dry-run`` outside a pod: it writes nothing, so a name that is not the node's
+    misleads no one but the log, and ``run --kube dry-run`` then works as printed. In a pod the
+    hostname is the pod's name, and a mode that writes (in-cluster, kubeconfig) must be told which
+    node it acts on, never guess."""
+    name = hostname.strip().lower()
+    if kube != "dry-run" or node_name or in_pod or not name:
+        return NodeChoice(name="")
+    return NodeChoice(name=name, note=(
+        f"not in a pod: the dry run reports as node {name!r}, this host's name (choose another with "
+        "--node-name NAME)"))
+
+
+# -- check: an input the user named -----------------------------------------------------------------
+
+def named_kernel_log_problem(path: str | None) -> str | None:
+    """Why the kernel log the user named (``--kernel-log``, ``kernel_log``) cannot be read, or None.
+
+    A named input that is not there is a mistake to report, not a blind spot: ``check`` would
+    otherwise say "healthy as far as seen" about a file it never read (a typo such as
+    ``kern.lgo``). The default, ``dev/kmsg`` under the host root, is not named: when it is absent
+    the kernel log stays *unobserved*, as the sources report it."""
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "does not exist" if exc.errno in (errno.ENOENT, errno.ENOTDIR) else "cannot be read"
+        return (f"kernel_log (--kernel-log) {path!r} {why} ({exc.strerror or exc}); name the file that "
+                "holds the kernel's lines (e.g. /var/log/kern.log, /var/log/messages), or leave it out to "
+                "read dev/kmsg under --host-root")
+    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            return (f"kernel_log (--kernel-log) {path!r} is a folder; name the kernel-log file in it, "
+                    "e.g. /var/log/kern.log")
+    finally:
+        os.close(fd)
+    return None
+
+
 # -- classify: the input ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 from urllib.parse import urlsplit
@@ -27,7 +28,8 @@ ENV_PREFIX = "HEALTHAGENT_"
 KUBE_MODES = ("in-cluster", "kubeconfig", "dry-run", "off")
 CONDITION_VOCABULARIES = ("healthagent", "eks")  # healthagent/effects/conditions.py
 TRAINING_INTAKE_MODES = ("token", "open", "off")
-TRAINING_PORT = 9412
+TRAINING_PORT_OFFSET = 2  # the intake's port, unless training_listen says: listen's port + 2
+TRAINING_PORT = 9412  # so beside the default listen port, 9410: the DaemonSet's hostPort
 MIN_TRAINING_KEY_CHARS = 32  # 128 random bits written as hex
 _NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
 
@@ -50,6 +52,22 @@ MAXIMA: dict[str, float] = {
 
 class ConfigError(Exception):
     """A configuration problem; ``str()`` is the one line shown to the operator."""
+
+
+def shown(value: Any, limit: int = 64) -> str:
+    """A value or key as a one-line message shows it: quoted, control characters escaped, at most
+    ``limit`` characters. Rendered with ``reprlib``, which looks at a bounded number of items and
+    levels, so the cost is bounded too: a nested value in a file is never expanded whole only to
+    be cut (every error about a policy or settings value goes through here)."""
+    bounded = reprlib.Repr()
+    bounded.maxlevel = 2
+    bounded.maxdict = bounded.maxlist = bounded.maxtuple = bounded.maxset = bounded.maxfrozenset = 3
+    bounded.maxstring = bounded.maxother = bounded.maxlong = limit
+    try:
+        text = bounded.repr(value)
+    except ValueError:  # an integer past the interpreter's digit limit for str()
+        text = f"<a number of about {value.bit_length() * 0.30103:.0f} digits>" if isinstance(value, int) else "<?>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _setting(default: Any, help: str, fix: str = "") -> Any:
@@ -136,7 +154,8 @@ class Settings:
         "use one of: token, open, off")
     training_listen: str = _setting(
         "", "HOST:PORT of the training intake (POST /v1/training), a listener of its own; empty = "
-            "the host of listen and port 9412 (port 0 when listen's port is 0)",
+            "the host of listen and listen's port + 2 (9412 beside the default 9410; port 0 when "
+            "listen's port is 0)",
         "use HOST:PORT, e.g. 0.0.0.0:9412")
     state_save_interval_seconds: float = _setting(
         60.0, "longest time between state-file saves when only counter histories or the kernel-log "
@@ -146,12 +165,13 @@ class Settings:
         return _host_port(self.listen)
 
     def training_listen_address(self) -> tuple[str, int]:
-        """Where the intake listens: ``training_listen``, else listen's host on port 9412 (0, a
-        free port, when listen asks for one: a test or a second agent on one machine)."""
+        """Where the intake listens: ``training_listen``, else listen's host two ports above
+        listen's (0, a free port, when listen asks for one). It follows ``listen`` so that a
+        second agent on one machine, moved with ``--listen``, moves its intake too."""
         if self.training_listen:
             return _host_port(self.training_listen)
         host, port = self.listen_address()
-        return host, (TRAINING_PORT if port else 0)
+        return host, (port + TRAINING_PORT_OFFSET if port else 0)
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -194,7 +214,7 @@ def _convert(key: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
                 raise ValueError
             number = float(str(value).strip())
             if not math.isfinite(number):  # nan/inf pass every comparison check silently
-                raise ConfigError(f"{where}={value!r} is not a finite number; "
+                raise ConfigError(f"{where}={shown(value)} is not a finite number; "
                                   f"{f.metadata['fix'] or f.metadata['help']}")
             return number
         if isinstance(value, (dict, list)):
@@ -202,7 +222,7 @@ def _convert(key: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
         return str(value)
     except ValueError:
         raise ConfigError(
-            f"{where}={_shown_key(value)} is not a valid {kind}; {f.metadata['fix'] or f.metadata['help']}"
+            f"{where}={shown(value)} is not a valid {kind}; {f.metadata['fix'] or f.metadata['help']}"
         ) from None
 
 
@@ -212,47 +232,51 @@ def _validate(s: Settings) -> None:
         return ConfigError(f"{key}: {why}" + (f"; {fix}" if fix else ""))
 
     if s.kube not in KUBE_MODES:
-        raise bad("kube", f"{s.kube!r} is not a mode")
+        raise bad("kube", f"{shown(s.kube)} is not a mode")
     if s.kube == "kubeconfig" and not s.kubeconfig:
         raise ConfigError("kubeconfig: kube=kubeconfig needs a file; set --kubeconfig PATH")
     for key in ("listen", "training_listen"):
         value = getattr(s, key)
         host, _, port = value.rpartition(":")
         if (value or key == "listen") and (not host or not port.isdigit() or not 0 <= int(port) < 65536):
-            raise bad(key, f"{value!r} is not HOST:PORT")
+            raise bad(key, f"{shown(value)} is not HOST:PORT")
     if s.training_intake not in TRAINING_INTAKE_MODES:
-        raise bad("training_intake", f"{s.training_intake!r} is not a mode")
+        raise bad("training_intake", f"{shown(s.training_intake)} is not a mode")
+    if s.training_intake != "off" and not s.training_listen and s.listen_address()[1] + TRAINING_PORT_OFFSET > 65535:
+        raise bad("training_listen", f"listen's port {s.listen_address()[1]} leaves no port {TRAINING_PORT_OFFSET} "
+                                     "above it for the intake; give the intake its own, e.g. --training-listen "
+                                     "0.0.0.0:9412, or move --listen")
     if s.training_intake != "off" and s.listen_address()[1] and \
             s.training_listen_address() == s.listen_address():
-        raise bad("training_listen", f"{s.training_listen or s.listen!r} is also listen's address: "
+        raise bad("training_listen", f"{shown(s.training_listen or s.listen)} is also listen's address: "
                                      "the intake needs a port of its own")
     if s.condition_vocabulary not in CONDITION_VOCABULARIES:
-        raise bad("condition_vocabulary", f"{s.condition_vocabulary!r} is not a vocabulary")
+        raise bad("condition_vocabulary", f"{shown(s.condition_vocabulary)} is not a vocabulary")
     if not 0.0 <= s.budget_max_fraction <= 1.0:
         raise bad("budget_max_fraction", f"{s.budget_max_fraction} is outside 0..1")
     if not s.taint_key.startswith("healthagent.io/"):
-        raise bad("taint_key", f"{s.taint_key!r} is not under healthagent.io/")
+        raise bad("taint_key", f"{shown(s.taint_key)} is not under healthagent.io/")
     problem = qualified_name_problem(s.taint_key)
     if problem:
-        raise bad("taint_key", f"{s.taint_key!r} is not a valid Kubernetes key: {problem}")
+        raise bad("taint_key", f"{shown(s.taint_key)} is not a valid Kubernetes key: {problem}")
     if s.budget_scope_label and label_selector_problem(f"!{s.budget_scope_label}"):
-        raise bad("budget_scope_label", f"{s.budget_scope_label!r} is not a label key")
+        raise bad("budget_scope_label", f"{shown(s.budget_scope_label)} is not a label key")
     if s.budget_scope_label.startswith(("healthagent.io/", "sagemaker.amazonaws.com/")):
-        raise bad("budget_scope_label", f"{s.budget_scope_label!r} is a label each node's agent may write on "
+        raise bad("budget_scope_label", f"{shown(s.budget_scope_label)} is a label each node's agent may write on "
                                         "its own node: a node could choose its pool")
     problem = label_selector_problem(s.budget_node_selector)
     if problem:
-        raise bad("budget_node_selector", f"{s.budget_node_selector!r} is not a label selector: {problem}")
+        raise bad("budget_node_selector", f"{shown(s.budget_node_selector)} is not a label selector: {problem}")
     if s.budget_namespace and not _NAMESPACE.fullmatch(s.budget_namespace):
-        raise bad("budget_namespace", f"{s.budget_namespace!r} is not a namespace name")
+        raise bad("budget_namespace", f"{shown(s.budget_namespace)} is not a namespace name")
     if not s.state_file.strip():
         raise bad("state_file", "is empty")
     if os.path.isdir(s.state_file):
-        raise bad("state_file", f"{s.state_file!r} is a directory, not a file")
+        raise bad("state_file", f"{shown(s.state_file, 200)} is a directory, not a file")
     if s.dcgm_url is not None:
         problem = _http_url_problem(s.dcgm_url)
         if problem:
-            raise bad("dcgm_url", f"{s.dcgm_url!r} {problem}")
+            raise bad("dcgm_url", f"{shown(s.dcgm_url, 200)} {problem}")
     if not re.fullmatch(r"[\x21-\x7e]*", s.training_token):
         raise bad("training_token", "contains spaces or characters an HTTP header cannot carry")
     if s.training_token and len(s.training_token) < MIN_TRAINING_KEY_CHARS:
@@ -280,9 +304,9 @@ def _validate(s: Settings) -> None:
         if value is not None and value > limit:
             raise ConfigError(f"{key}: {value:g} is out of range; use at most {limit:g}")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise bad("log_level", f"{s.log_level!r} is not a level")
+        raise bad("log_level", f"{shown(s.log_level)} is not a level")
     if not os.path.isdir(s.host_root):
-        raise ConfigError(f"host_root: {s.host_root!r} is not a directory; pass --host-root DIR")
+        raise ConfigError(f"host_root: {shown(s.host_root, 200)} is not a directory; pass --host-root DIR")
 
 
 def _http_url_problem(url: str) -> str | None:
@@ -302,30 +326,61 @@ def _http_url_problem(url: str) -> str | None:
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):
-    """A mapping names one key twice; ``key`` and the two lines (1-based) say which and where."""
+    """A mapping names one key twice; ``key`` and the two places (1-based) say which and where."""
 
-    def __init__(self, key: Any, first_line: int, mark: Any) -> None:
-        super().__init__(None, None, f"key {key!r} appears twice", mark)
-        self.key, self.first_line, self.line = key, first_line, mark.line + 1
+    def __init__(self, key: Any, first: Any, mark: Any) -> None:
+        super().__init__(None, None, f"key {shown(key)} appears twice", mark)
+        self.key, self.first_line, self.line = key, first.line + 1, mark.line + 1
+        self.first_column, self.column = first.column + 1, mark.column + 1
+
+    def places(self) -> str:
+        """``lines 2 and 4``, or ``line 1, columns 7 and 23`` for two on one line (a flow mapping)."""
+        if self.first_line != self.line:
+            return f"lines {self.first_line} and {self.line}"
+        return f"line {self.line}, columns {self.first_column} and {self.column}"
+
+
+class AnchorRefused(yaml.composer.ComposerError):
+    """The document uses an anchor (``&name``) or an alias (``*name``); ``mark`` says where."""
+
+    def __init__(self, kind: str, name: str, mark: Any) -> None:
+        super().__init__(None, None, f"{kind} {shown(name)}", mark)
+        self.kind, self.name, self.line = kind, name, mark.line + 1
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping naming a key twice (PyYAML keeps the last one
-    silently: ``94: monitor`` below ``94: replace_node`` would quietly take XID 94 off the node).
-    Keys are compared as loaded, so ``94`` and ``0x5e`` are the same key; ``<<`` merges may still
-    be overridden, as YAML intends."""
+    """``yaml.SafeLoader`` for the files that configure the agent, refusing what would make one
+    silently weaker or never answer:
+
+    - a mapping naming a key twice, on two lines or on one (``{94: replace_node, 94: none}``):
+      PyYAML keeps the last one silently, which would quietly take XID 94 off the node. Keys are
+      compared as loaded, so ``94`` and ``0x5e`` are the same key; ``<<`` merges may still be
+      overridden, as YAML intends;
+    - anchors and aliases (``&a``/``*a``): a kilobyte of nested aliases stands for a billion
+      values, which any walk over the document (a check, an error message) would expand. A
+      settings or policy file has no need of them, so they are refused where the parser meets
+      them, before anything is built or shown.
+    """
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise AnchorRefused("alias", f"*{event.anchor}", event.start_mark)
+        if getattr(event, "anchor", None) is not None:
+            raise AnchorRefused("anchor", f"&{event.anchor}", event.start_mark)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
+        seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
             try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
+                first = seen.setdefault(key, key_node.start_mark)
             except TypeError:  # an unhashable key: the base constructor says so
                 continue
-            if first != key_node.start_mark.line + 1:
+            if first is not key_node.start_mark:
                 raise DuplicateKey(key, first, key_node.start_mark)
         return super().construct_mapping(node, deep)
 
@@ -339,8 +394,9 @@ def read_yaml(path: str, what: str, flag: str, error: type[Exception], *, unique
 
     Shared by the settings file and the policy file so both fail the same way: an unreadable path
     names the flag to fix, broken YAML names the line, a key given twice names the key and both
-    lines (``unique_keys``; which of two values was meant is not for the agent to guess), a file
-    nested past the parser's depth or over ``max_bytes`` says so.
+    places (``unique_keys``; which of two values was meant is not for the agent to guess; an
+    anchor or alias is refused there too), a file nested past the parser's depth, over
+    ``max_bytes`` or holding a scalar that cannot be built says so.
     """
     try:
         with open(path, "rb") as fh:
@@ -353,20 +409,19 @@ def read_yaml(path: str, what: str, flag: str, error: type[Exception], *, unique
     except UnicodeDecodeError as exc:
         raise error(f"{what}: {path!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     except DuplicateKey as exc:
-        raise error(f"{what}: {path!r} names key {_shown_key(exc.key)} twice (lines {exc.first_line} and "
-                    f"{exc.line}); keep one") from None
+        raise error(f"{what}: {path!r} names key {shown(exc.key)} twice ({exc.places()}); keep one") from None
+    except AnchorRefused as exc:
+        raise error(f"{what}: {path!r} uses the YAML {exc.kind} {exc.name} at line {exc.line}; write the "
+                    "value out where it is used (anchors and aliases are not read)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
         raise error(f"{what}: {path!r} is not valid YAML{at}; fix the syntax") from None
     except RecursionError:
         raise error(f"{what}: {path!r} nests deeper than YAML can be read; fix the file") from None
-
-
-def _shown_key(key: Any) -> str:
-    """A key in a one-line message: quoted, control characters escaped, at most 64 characters."""
-    text = repr(key)
-    return text if len(text) <= 64 else text[:61] + "..."
+    except ValueError as exc:  # a scalar YAML types but cannot build: 5,000 digits, a 13th month
+        reason = str(exc).split(":")[0][:80]
+        raise error(f"{what}: {path!r} holds a value that cannot be read ({reason}); fix the file") from None
 
 
 def _load_yaml(path: str) -> dict[str, Any]:
@@ -395,11 +450,11 @@ def load_settings(
             key = str(raw_key).replace("-", "_")
             if key not in _FIELDS:
                 raise ConfigError(
-                    f"config: unknown key {raw_key!r} in {config_file}; valid keys: "
+                    f"config: unknown key {shown(raw_key)} in {config_file}; valid keys: "
                     + ", ".join(sorted(_FIELDS))
                 )
             if key in written:
-                raise ConfigError(f"config: {written[key]!r} and {raw_key!r} in {config_file} both set {key}; "
+                raise ConfigError(f"config: {shown(written[key])} and {shown(raw_key)} in {config_file} both set {key}; "
                                   "keep one")
             written[key] = raw_key
             values[key] = _convert(key, _FIELDS[key], raw, f"{config_file}:")

@@ -26,6 +26,7 @@ from healthagent.wiring import AgentRuntime
 from tests.support.gated_source import GatedSource
 from tests.support.wait import wait_for
 from tests.telemetry.contract import parse, sample_value
+from tests.support.nvml_stub import NO_CC
 
 
 def demo_settings(tmp_path: Path, **flags):
@@ -182,7 +183,7 @@ def unwedge(scenario: Path, saved: Path) -> None:
 @pytest.mark.integration
 def test_a_wedged_nvml_is_reported_hung_while_the_loop_goes_on(tmp_path, monkeypatch):
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed (Debian package gcc): the stub libnvidia-ml.so.1 is compiled from C")
+        pytest.skip(NO_CC)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("HEALTHAGENT_STUB_NVML_SCENARIO", raising=False)
     node, settings = demo_settings(tmp_path, nvml="true", source_timeout_seconds="0.5")

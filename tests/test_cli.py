@@ -309,8 +309,11 @@ def test_help_and_version_still_exit_0():
 
 @pytest.mark.parametrize("kube", ["dry-run", "in-cluster"])
 def test_a_mode_that_acts_on_a_node_needs_its_name(tmp_path, kube):
+    """In a pod (the hostname is the pod's); a dry run by hand reports as this host instead
+    (tests/test_cli_newcomer.py)."""
     proc = healthagent("run", "--host-root", str(tmp_path), "--no-nvml", "--state-file", str(tmp_path / "s.json"),
-                       "--kube", kube, "--listen", "127.0.0.1:0", "--log-level", "ERROR")
+                       "--kube", kube, "--listen", "127.0.0.1:0", "--log-level", "ERROR",
+                       env={"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
     assert proc.returncode == 3
     line = one_error_line(proc, "healthagent: config error: node_name:")
     assert f"kube={kube}" in line and "NODE_NAME" in line and "--node-name" in line

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from healthagent.cli_inputs import (
+    dry_run_node_name,
     POD_STATE_FILE,
     ClassifyInput,
     choose_state_file,
@@ -88,3 +89,16 @@ def test_the_summary_counts_connectx_events_only_when_there_are_some():
         "0 XID lines and 1 ConnectX (mlx5) event line in kern.log (9 lines read)")
     assert summary(2, 1, 40, "kern.log", adapter_events=3) == (
         "2 XID lines, 1 SXid line and 3 ConnectX (mlx5) event lines in kern.log (40 lines read)")
+
+
+@pytest.mark.parametrize("kube,node_name,in_pod,hostname,expected", [
+    ("dry-run", "", False, "GPU-Node-7", "gpu-node-7"),  # as the kubelet registers a node
+    ("dry-run", "named", False, "host", ""),  # a name given is kept
+    ("dry-run", "", True, "healthagent-x7k2p", ""),  # in a pod the hostname is the pod's
+    ("kubeconfig", "", False, "host", ""),  # a mode that writes is never told a guess
+    ("in-cluster", "", False, "host", ""),
+    ("dry-run", "", False, "", ""),
+])
+def test_a_dry_run_by_hand_reports_as_this_host(kube, node_name, in_pod, hostname, expected):
+    choice = dry_run_node_name(kube, node_name, in_pod, hostname)
+    assert choice.name == expected and bool(choice.note) == bool(expected)

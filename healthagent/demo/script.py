@@ -71,12 +71,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
     ib = args.fabric == "ib"
     if args.prepare:
-        if ib:
-            from healthagent.demo.ib_node import build_ib_demo_root
+        from healthagent.demo.ib_node import build_ib_demo_root
+        from healthagent.demo.prepare import prepare
 
-            node = build_ib_demo_root(Path(args.prepare)).node
-        else:
-            node = build_demo_root(Path(args.prepare))
+        build = (lambda root: build_ib_demo_root(root).node) if ib else build_demo_root
+        node = prepare(Path(args.prepare), args.fabric, args.replace, build)
         say(f"demo host root written to {node.root}")
         say(f"try: {_check_command(node)}")
         return 0

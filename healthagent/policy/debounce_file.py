@@ -123,7 +123,7 @@ def _entries(raw: Any) -> dict[str, dict[str, Any]]:
                          + (f"did you mean {near[0]}? " if near else "")
                          + f"use one from {DOCS}: " + ", ".join(FINDING_CODES))
         if code in written:
-            raise _error(f"findings.{code}: {written[code]!r} and {key!r} both name {code}; keep one")
+            raise _error(f"findings.{code}: {_written(written[code])} and {_written(key)} both name {code}; keep one")
         written[code] = key
         if not isinstance(entry, dict) or not entry:
             raise _error(f"findings.{code}: must be a mapping with " + ", ".join(FIELDS)

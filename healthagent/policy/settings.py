@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from healthagent.config import read_yaml
+from healthagent.config import read_yaml, shown
 from healthagent.model import Action
 from healthagent.policy.debounce import ALIASES, Rule, alias_default
 from healthagent.policy.debounce_file import Rules, built_in_rules, parse_rules
@@ -138,16 +138,17 @@ class Policy:
 
 
 def _shown(key: Any) -> str:
-    """A key as an error message names it: as written when it is a plain name, else quoted, so a
-    key holding a newline or other control characters cannot break the one-line message."""
-    text = str(key)
-    return text if _PLAIN_KEY.fullmatch(text) else repr(text[:64]) + ("..." if len(text) > 64 else "")
+    """A key as an error message names it: as written when it is a plain name, else quoted and
+    bounded (``config.shown``), so a key holding a newline or other control characters cannot
+    break the one-line message."""
+    text = key if isinstance(key, str) else shown(key)
+    return text if _PLAIN_KEY.fullmatch(text) else shown(text)
 
 
 def _written(value: Any) -> str:
-    """A value as an error message shows it: quoted as written, at most 40 characters."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    """A value as an error message shows it: quoted as written, at most 40 characters, never
+    rendered whole (``config.shown``)."""
+    return shown(value, 40)
 
 
 def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:
@@ -195,7 +196,7 @@ def _action_map(section: str, raw: Any, keys: str, example: str, read_key: Calla
                               f"{noun} {name}; keep one")
         written[name] = key
         if not isinstance(value, str):
-            raise PolicyError(f"{section}.{name}: {value!r} is not an action; use one of: "
+            raise PolicyError(f"{section}.{name}: {_written(value)} is not an action; use one of: "
                               + ", ".join(a.value for a in Action))
         try:
             out[name] = Action.parse(value)
@@ -242,9 +243,9 @@ def _disabled(raw: Any) -> frozenset[str]:
         raise PolicyError("disabled_rules: must be a list of finding codes, e.g. [GPU_POWER_THROTTLE]")
     out = set()
     for item in raw:
-        code = str(item).strip().upper()
+        code = item.strip().upper() if isinstance(item, str) else None  # never render a list whole
         if code not in FINDING_CODES:
-            raise PolicyError(f"disabled_rules: unknown rule {item!r}; use a finding code from {DOCS}: "
+            raise PolicyError(f"disabled_rules: unknown rule {_written(item)}; use a finding code from {DOCS}: "
                               + ", ".join(FINDING_CODES))
         out.add(code)
     return frozenset(out)
@@ -261,7 +262,7 @@ def parse_policy(data: Any, source: str = "", readings: Mapping[str, float] | No
                           + ", ".join(TOP_LEVEL_KEYS))
     for key in data:
         if key not in TOP_LEVEL_KEYS:
-            raise PolicyError(f"policy: unknown key {key!r}; valid keys: " + ", ".join(TOP_LEVEL_KEYS))
+            raise PolicyError(f"policy: unknown key {_written(key)}; valid keys: " + ", ".join(TOP_LEVEL_KEYS))
     raw_thresholds = data.get("thresholds") or {}
     if not isinstance(raw_thresholds, dict):
         raise PolicyError("thresholds: must be a mapping of name: number, e.g. {incident_quiet_seconds: 180}")

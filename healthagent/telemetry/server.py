@@ -3,7 +3,7 @@
 - **The agent's own port** (``listen``, default ``0.0.0.0:9410``): ``/metrics``, ``/healthz`` and
   ``/readyz``. In the DaemonSet this is the pod's own port, without a hostPort: the kubelet
   probes it and Prometheus scrapes it at the pod's IP.
-- **The training intake** (``training_listen``, default port 9412): ``POST /v1/training`` only.
+- **The training intake** (``training_listen``, default listen's port + 2: 9412): ``POST /v1/training`` only.
   It is the one port on the node's IP (a hostPort), because training ranks on the node report to
   it; every pod that reaches the node can connect to it.
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from healthagent.demo.stub_setup import stub_nvml_env
+from tests.support.nvml_stub import NO_CC
 
 REPO = Path(__file__).parents[2]
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 def run_demo(*args: str) -> subprocess.CompletedProcess:
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed: the demo's stub libnvidia-ml.so.1 cannot be built")
+        pytest.skip(NO_CC)
     return subprocess.run([sys.executable, "-m", "healthagent", "demo", *args], capture_output=True,
                           text=True, timeout=180, cwd=REPO)
 
@@ -103,7 +104,7 @@ def test_prepare_writes_a_root_that_check_reads(tmp_path):
 
 def test_keep_running_serves_both_ports_and_its_job_token_opens_the_intake():
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed: the demo's stub libnvidia-ml.so.1 cannot be built")
+        pytest.skip(NO_CC)
     # Started as a shell starts a background job (SIGINT ignored): Ctrl-C must still end it.
     demo = subprocess.Popen([sys.executable, "-m", "healthagent", "demo", "--keep-running"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

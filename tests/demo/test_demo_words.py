@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from healthagent.demo.script import DEMO_EFFECTS_PASS_SECONDS, DEMO_GRACE_SECONDS, no_execute_words
+from tests.support.nvml_stub import NO_CC
 
 REPO = Path(__file__).parents[2]
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).parents[2]
 @pytest.mark.integration
 def test_the_first_line_is_the_demos_header_not_a_warning():
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed: the demo's stub libnvidia-ml.so.1 cannot be built")
+        pytest.skip(NO_CC)
     done = subprocess.run([sys.executable, "-m", "healthagent", "demo", "--xid", "13"], capture_output=True,
                           text=True, timeout=180, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr

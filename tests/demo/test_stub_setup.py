@@ -12,11 +12,12 @@ import pytest
 
 from healthagent.demo.stub_nvml import SCENARIO_ENV, SONAME
 from healthagent.demo.stub_setup import default_cache_dir, stub_nvml_env
+from tests.support.nvml_stub import NO_CC
 
 
 def test_a_child_finds_the_stub_first_and_keeps_its_library_path(tmp_path):
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed: the stub libnvidia-ml.so.1 is compiled from C")
+        pytest.skip(NO_CC)
     base = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/a:/opt/b"}
     env = stub_nvml_env(tmp_path / "scenario.json", tmp_path / "cache", base=base)
     first, *rest = env["LD_LIBRARY_PATH"].split(os.pathsep)

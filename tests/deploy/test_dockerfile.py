@@ -106,7 +106,8 @@ def test_oci_labels_and_version():
     args = dict(a.split("=", 1) for k, a in stage if k == "ARG" and "=" in a)
     assert args["VERSION"] == __version__
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    assert labels["org.opencontainers.image.licenses"] == project["license"]["text"]
+    assert labels["org.opencontainers.image.licenses"] == project["license"]  # an SPDX expression
+    assert labels["org.opencontainers.image.description"] == project["description"]
     assert project["scripts"]["healthagent"] == "healthagent.cli:main"
 
 

@@ -87,7 +87,7 @@ def karpenter_crds() -> list[dict[str, Any]]:
              for doc in yaml.safe_load_all(path.read_text(encoding="utf-8"))
              if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition"]
     if not found:
-        pytest.skip(f"no CustomResourceDefinition in {folder}")
+        pytest.skip(f"no CustomResourceDefinition in {folder}: put their YAML there (the release assets of each project)")
     return found
 
 

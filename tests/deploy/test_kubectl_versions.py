@@ -19,6 +19,7 @@ from tests.support.deploy import (
     COMPONENTS,
     DEPLOY,
     OVERLAYS,
+    NO_OLDEST_KUBECTL,
     oldest_kubectl_binary,
     render,
     with_components,
@@ -26,8 +27,6 @@ from tests.support.deploy import (
 
 pytestmark = pytest.mark.integration
 
-HOW_TO_GET_IT = ("kubectl 1.30 not installed: `python -m tests.support.oldest_kubectl` puts it in "
-                 ".venv/kubectl-1.30/ (.ci/run does)")
 TARGETS = [f"overlays/{name}" for name in OVERLAYS] + [f"components/{name}" for name in COMPONENTS]
 
 
@@ -53,7 +52,7 @@ def _by_identity(objects: list[dict[str, Any]]) -> dict[tuple[str, str, str, str
 def oldest_kubectl() -> str:
     binary = oldest_kubectl_binary()
     if binary is None:
-        pytest.skip(HOW_TO_GET_IT)
+        pytest.skip(NO_OLDEST_KUBECTL)
     version = json.loads(subprocess.run([binary, "version", "--client", "--output=json"],
                                         capture_output=True, text=True, check=True,
                                         timeout=60).stdout)["clientVersion"]

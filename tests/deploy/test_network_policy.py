@@ -22,6 +22,8 @@ from tests.support.deploy import (
     agent_container,
     find,
     kubectl_binary,
+    NO_KUBECTL,
+    NO_OLDEST_KUBECTL,
     oldest_kubectl_binary,
     overlay_with_components,
     render,
@@ -39,7 +41,7 @@ TRAINING_POD = {"healthagent.io/training-reporter": "true"}
 def any_kubectl(request) -> str:
     binary = kubectl_binary() if request.param == "current" else oldest_kubectl_binary()
     if binary is None:
-        pytest.skip(f"the {request.param} kubectl is not installed")
+        pytest.skip(NO_KUBECTL if request.param == "current" else NO_OLDEST_KUBECTL)
     return binary
 
 

@@ -121,7 +121,7 @@ def kubectl_on_server(control_plane: ControlPlane, kubectl: str, tmp_path_factor
         pytest.skip(missing_crds_reason("prometheus-operator's CRDs (ServiceMonitor, PodMonitor, PrometheusRule)"))
     names = crd_names(crds)
     if not names:
-        pytest.skip(f"no CustomResourceDefinition in {crds}")
+        pytest.skip(f"no CustomResourceDefinition in {crds}: put their YAML there (the release assets of each project)")
     folder = tmp_path_factory.mktemp("server-dry-run")
     client = Kubectl(kubectl, control_plane.write_kubeconfig(folder / "kubeconfig"), folder / "cache")
     installed = client.run((*APPLY, "--force-conflicts", "-f", str(crds)))

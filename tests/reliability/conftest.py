@@ -17,6 +17,7 @@ import pytest
 from healthagent.config import load_settings
 from tests.reliability.helpers import NODE
 from tests.support.live_agent import HoldingKubeFake, write_kubeconfig
+from tests.support.nvml_stub import NO_CC
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +29,7 @@ def stub_cache(tmp_path_factory) -> Path:
 @pytest.fixture
 def needs_cc() -> None:
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed (Debian package gcc): the stub libnvidia-ml.so.1 is compiled from C")
+        pytest.skip(NO_CC)
 
 
 @pytest.fixture

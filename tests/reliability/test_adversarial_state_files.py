@@ -113,7 +113,8 @@ def small_disk(tmp_path):
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+        pytest.skip(f"cannot mount a tmpfs here (mount, as root with CAP_SYS_ADMIN): "
+                    f"{done.stderr.strip() or done.returncode}")
     try:
         yield mount
     finally:

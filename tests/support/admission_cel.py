@@ -48,7 +48,8 @@ class PolicyEvaluator:
 
     def __init__(self, policy: dict[str, Any]) -> None:
         cel = pytest.importorskip(
-            "cel_expr_python.cel", reason="cel-expr-python not installed (CEL runtime for the policy test)")
+            "cel_expr_python.cel", reason="cel-expr-python not installed (pip install cel-expr-python, a test extra): the CEL "
+                                           "runtime for the policy test")
         dyn = cel.Type.DYN
         self.env = cel.NewEnv(variables={"object": dyn, "oldObject": dyn, "request": dyn,
                                          "variables": cel.Type.Map(cel.Type.STRING, dyn)})

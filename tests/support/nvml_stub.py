@@ -26,12 +26,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT_SECONDS = 300
 
 
+# Every test that needs the stub library skips with this when there is no C compiler.
+NO_CC = ("cc not installed (apt-get install gcc; .ci/run installs it): the stub libnvidia-ml.so.1 is "
+         "compiled from C")
+
+
 def stub_library_or_skip(cache_dir: Path) -> Path:
     """Build the stub (cached by source hash), or skip the calling test when ``cc`` is missing."""
     from healthagent.demo import stub_nvml
 
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed: the stub libnvidia-ml.so.1 is compiled from C with cc")
+        pytest.skip(NO_CC)
     return stub_nvml.build_stub(cache_dir)
 
 

@@ -20,6 +20,7 @@ from healthagent.training.access import job_token
 from healthagent.training.client import TrainingReporter
 from tests.support.wait import wait_for
 from tests.telemetry.contract import CONTRACT, EXTRAS, parse, sample_value
+from tests.support.nvml_stub import NO_CC
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +41,7 @@ def scrape(port: int) -> dict:
 @pytest.fixture
 def runtime(tmp_path: Path, monkeypatch):
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed (Debian package gcc): the demo node's stub NVML is compiled from C")
+        pytest.skip(NO_CC)
     from healthagent.demo.node import build_demo_root
     from healthagent.demo.stub_setup import use_stub_nvml
     from healthagent.wiring import AgentRuntime

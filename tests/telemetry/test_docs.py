@@ -20,6 +20,7 @@ from healthagent.telemetry import spec
 from tests.support.observability import promtool_check_expressions
 from healthagent.training.client import TrainingReporter, agent_base_url
 from tests.telemetry.harness import RunningAgent, start_agent
+from tests.support.nvml_stub import NO_CC
 
 REPO = Path(__file__).resolve().parents[2]
 METRICS_DOC = (REPO / "docs" / "metrics.md").read_text(encoding="utf-8")
@@ -150,7 +151,7 @@ def test_the_example_pod_gets_its_credential_in_one_step_and_its_reports_are_acc
 def test_metrics_doc_counts_the_series_the_demo_node_serves(tmp_path, monkeypatch):
     """The figure under "Series per node" is what `healthagent demo` serves on its healthy start."""
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed (Debian package gcc): the demo node's stub NVML is compiled from C")
+        pytest.skip(NO_CC)
     from healthagent.demo.node import build_demo_root
     from healthagent.demo.script import demo_settings
     from healthagent.demo.stub_setup import use_stub_nvml

@@ -21,6 +21,7 @@ import pytest
 
 from tests.support.golden_metrics import GOLDEN_FILES, GoldenFile, golden_mismatch, render_in_fresh_process
 from tests.telemetry.contract import parse, sample_value
+from tests.support.nvml_stub import NO_CC
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.integration
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     """One render of every format (a few seconds: a fresh interpreter, the stub compiled once)."""
     if shutil.which("cc") is None:
-        pytest.skip("cc not installed (Debian package gcc): the demo node's stub NVML is compiled from C")
+        pytest.skip(NO_CC)
     return render_in_fresh_process(cache_dir=tmp_path_factory.mktemp("golden-cache"))
 
 
