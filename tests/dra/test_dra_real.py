@@ -19,24 +19,11 @@ from healthagent.effects.kube import NodeEffects
 from healthagent.effects.state import StateStore
 from healthagent.model import Verdict
 from healthagent.policy.scope import ScopePolicy
-from tests.dra.slices import DRA_FLAGS, gpu_finding, node_body, resource_slice
+from tests.dra.slices import gpu_finding, node_body, resource_slice
 from tests.effects.helpers import T0, settings_for
-from tests.support.envtest import ControlPlane, find_assets, missing_reason
 
 pytestmark = pytest.mark.integration
 GRACE = 120.0
-
-
-@pytest.fixture(scope="module")
-def dra_plane(tmp_path_factory):
-    assets = find_assets()
-    if assets is None:
-        pytest.skip(missing_reason())
-    with ControlPlane(assets, tmp_path_factory.mktemp("envtest-dra"), extra_args=DRA_FLAGS) as plane:
-        from kubernetes import client
-
-        client.CoreV1Api(plane.api_client()).create_namespace({"metadata": {"name": "healthagent"}})
-        yield plane
 
 
 def _agent(plane, tmp_path, node: str, scope: ScopePolicy) -> DraEffects:
