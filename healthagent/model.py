@@ -462,6 +462,11 @@ class KubeStatus:
     budget_slots_held: int | None = None
     # Condition types of the agent's that another writer holds now (the agent leaves them alone).
     conditions_owned_elsewhere: int = 0
+    # Per-GPU quarantine through DRA (``healthagent/dra``): (device path, uuid, pci_bus_id, stage =
+    # the DeviceTaintRule's effect now) per quarantined GPU, and why GPU-scope findings act on the
+    # node instead (dra_not_served, gpu_not_published, too_many_gpus).
+    gpu_quarantines: tuple[tuple[str, str, str, str], ...] = ()
+    dra_fallbacks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

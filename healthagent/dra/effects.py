@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 from healthagent.common import ErrorTally
@@ -117,6 +118,7 @@ class DraEffects:
         self._said: set[str] = set()
         self._tally = ErrorTally("dra")
         self.quarantined: Mapping[str, str] = {}  # device path -> effect now on it
+        self._shown: dict = {}  # device path -> (DeviceRef, effect)
         self.fallbacks: tuple[str, ...] = ()
 
     # -- the Effects protocol: the node's part delegated -------------------------------------------
@@ -148,7 +150,7 @@ class DraEffects:
     def startup(self, now: float, boot_id: str, wall: float | None = None) -> KubeStatus:
         status = self.inner.startup(now, boot_id, wall=wall)
         self._refresh(now)
-        return status
+        return self._with_dra(status)
 
     def reconcile(self, verdict: Verdict, now: float, boot_id: str,
                   health: "tuple[SourceHealth, ...] | list[SourceHealth]" = (), wall: float | None = None) -> KubeStatus:
@@ -160,7 +162,11 @@ class DraEffects:
             self._apply(split, now, wall if wall is not None else now)
         except ApiError as exc:  # kept as desired: the next reconcile tries again
             self._tally.count("write_failed", f"node={self.node_name} {exc}")
-        return status
+        return self._with_dra(status)
+
+    def _with_dra(self, status: KubeStatus) -> KubeStatus:
+        rows = tuple((path, ref.uuid, ref.pci_bus_id, effect) for path, (ref, effect) in sorted(self._shown.items()))
+        return replace(status, gpu_quarantines=rows, dra_fallbacks=tuple(self.fallbacks))
 
     def close(self) -> None:
         self.inner.close()
@@ -177,6 +183,12 @@ class DraEffects:
             self.served = self.api.serves_rules()
             self.devices = device_map(self.api.slices(), self.node_name) if self.served else None
             self._refreshed_at = now
+        except ApiRejected as exc:  # 403: the DRA component (its RBAC) is not installed: not served to us
+            self.served, self.devices, self._refreshed_at = False, None, now
+            if "forbidden" not in self._said:
+                self._said.add("forbidden")
+                log.warning("dra node=%s cannot read ResourceSlices (%s): GPU findings act on the node; "
+                            "install deploy/components/dra for per-GPU quarantine", self.node_name, exc)
         except ApiError as exc:  # unknown: the last map stands (or none: the node's behaviour)
             self._tally.count("read_failed", f"node={self.node_name} {exc}")
 
@@ -221,11 +233,12 @@ class DraEffects:
                     self.api.replace(name, spec.body(self.taint_key))
             elif was != (spec.driver, spec.pool, spec.device, spec.effect, spec.value[:63]):
                 self.api.replace(name, spec.body(self.taint_key))
-            shown[quarantine.ref.path] = spec.effect
+            shown[quarantine.ref.path] = (quarantine.ref, spec.effect)
             if name not in self._announced:
                 self._announce(quarantine, spec.effect, wall)
                 self._announced.add(name)
-        self.quarantined = shown
+        self._shown = shown
+        self.quarantined = {path: effect for path, (_, effect) in shown.items()}
 
     def _announce(self, quarantine: Any, effect: str, wall: float) -> None:
         first = quarantine.findings[0]
