@@ -19,7 +19,7 @@ from healthagent.effects.kube import NodeEffects
 from healthagent.effects.state import StateStore
 from healthagent.model import Verdict
 from healthagent.policy.scope import ScopePolicy
-from tests.dra.slices import gpu_finding, node_body, resource_slice
+from tests.dra.slices import gpu_finding, uuid, node_body, resource_slice
 from tests.effects.helpers import T0, settings_for
 
 pytestmark = pytest.mark.integration
@@ -51,6 +51,13 @@ def _rules(plane, node: str) -> list[dict]:
     return [r for r in items if r["spec"]["deviceSelector"]["pool"] == node]
 
 
+def _device_events(plane, node: str) -> list[dict]:
+    reply = plane.admin_session().get(f"{plane.url}/apis/events.k8s.io/v1/namespaces/default/events", timeout=10)
+    reply.raise_for_status()
+    return [e for e in reply.json()["items"]
+            if e["regarding"]["name"] == node and e.get("action") == "DeviceQuarantined"]
+
+
 def _taints(plane, node: str) -> list:
     from kubernetes import client
 
@@ -69,6 +76,8 @@ def test_one_gpu_of_eight_gets_one_rule_then_noexecute_then_none(dra_plane, tmp_
     assert rules[0]["spec"]["taint"]["effect"] == "NoSchedule"
     assert rules[0]["spec"]["taint"]["value"] == "GPU_XID"
     assert _taints(dra_plane, node) == []
+    (event,) = _device_events(dra_plane, node)
+    assert "gpu-3" in event["note"] and uuid(3) in event["note"] and event["reason"] == "GPU_XID"
     effects.reconcile(bad, T0 + GRACE + 1, "boot-1")
     assert [r["spec"]["taint"]["effect"] for r in _rules(dra_plane, node)] == ["NoExecute"]
     assert _taints(dra_plane, node) == []
