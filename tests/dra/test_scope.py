@@ -58,3 +58,15 @@ def test_explain_says_the_scope_and_where_it_came_from():
     assert explain_scope("GPU_XID", Action.RESET_GPU, custom).startswith("Scope: node, from code GPU_XID (policy file)")
     assert explain_scope("NVSWITCH_SXID", Action.REBOOT_NODE, ScopePolicy()).startswith(
         "Scope: node, from code NVSWITCH_SXID (scope.csv)")
+
+
+def test_check_says_a_gpu_finding_is_quarantined_as_one_gpu():
+    from healthagent.check_report import render_check
+    from healthagent.model import Collection, Verdict
+
+    verdict = Verdict.of([gpu_finding(3), gpu_finding(4, action=Action.REPLACE_NODE)], 1.0)
+    text = render_check(Collection(timestamp=1.0), verdict, scope=ScopePolicy())
+    assert text.count("  scope: gpu: the agent quarantines this one GPU") == 1
+    assert "scope: gpu" not in render_check(Collection(timestamp=1.0), verdict)
+    off = render_check(Collection(timestamp=1.0), verdict, scope=ScopePolicy(dra="off"))
+    assert "DRA is off in the policy file" in off
