@@ -26,17 +26,22 @@ pytestmark = pytest.mark.integration
 GRACE = 120.0
 
 
-def _agent(plane, tmp_path, node: str, scope: ScopePolicy) -> DraEffects:
-    from kubernetes import client
-
+def _effects(plane, tmp_path, node: str, scope: ScopePolicy) -> DraEffects:
+    """The agent's effects for ``node`` over its state file (a second call is the agent restarted)."""
     settings = settings_for(tmp_path, node, kube="kubeconfig", replace_noexecute_grace_seconds=GRACE)
     store = StateStore(settings.state_file)
     store.load()
     api_client = plane.api_client()
     inner = NodeEffects(settings, api_client, store, watch=False, request_timeout=(2.0, 5.0))
-    effects = DraEffects(inner, DraApi(api_client, node), scope, settings.taint_key, GRACE)
-    core = client.CoreV1Api(api_client)
-    core.create_node(node_body(node))
+    return DraEffects(inner, DraApi(api_client, node), scope, settings.taint_key, GRACE)
+
+
+def _agent(plane, tmp_path, node: str, scope: ScopePolicy) -> DraEffects:
+    from kubernetes import client
+
+    effects = _effects(plane, tmp_path, node, scope)
+    api_client = plane.api_client()
+    client.CoreV1Api(api_client).create_node(node_body(node))
     client.CustomObjectsApi(api_client).create_cluster_custom_object(
         GROUP, "v1", "resourceslices", resource_slice(node, 8))
     effects.startup(T0 - 1, "boot-1")
@@ -130,3 +135,17 @@ def test_without_the_gates_the_node_behaves_as_before_and_says_so(control_plane,
     assert effects.status()["served"] is False
     assert effects.status()["fallbacks"] == [NOT_SERVED]
     assert _taints(control_plane, node) == []  # reset_gpu never taints the node: as without DRA
+
+
+def test_a_restarted_agent_keeps_the_eviction_and_removes_what_cleared(dra_plane, tmp_path):
+    node = "dra-restart"
+    effects = _agent(dra_plane, tmp_path, node, ScopePolicy(noexecute=True))
+    effects.reconcile(Verdict.of([gpu_finding(3), gpu_finding(5)], T0), T0, "boot-1")
+    effects.reconcile(Verdict.of([gpu_finding(3), gpu_finding(5)], T0), T0 + GRACE + 1, "boot-1")
+    assert sorted(r["spec"]["taint"]["effect"] for r in _rules(dra_plane, node)) == ["NoExecute", "NoExecute"]
+    again = _effects(dra_plane, tmp_path, node, ScopePolicy(noexecute=True))  # a restart: no memory of either
+    again.startup(T0 + 200, "boot-1")
+    again.reconcile(Verdict.of([gpu_finding(3)], T0 + 201), T0 + 201, "boot-1")  # GPU 5's finding closed meanwhile
+    rules = _rules(dra_plane, node)
+    assert [(r["spec"]["deviceSelector"]["device"], r["spec"]["taint"]["effect"]) for r in rules] == [
+        ("gpu-3", "NoExecute")]  # an eviction is never taken back; the cleared GPU's rule is gone
