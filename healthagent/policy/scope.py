@@ -128,6 +128,8 @@ def parse_scope(raw: Any, error: Callable[[str], Exception]) -> ScopePolicy:
             raise error(f"scope.{key}: {value!r} is not true or false")
         flags[key] = value
     dra = raw.get("dra", "auto")
+    if dra is False:  # YAML reads a bare `off` as false
+        dra = "off"
     if dra not in ("auto", "off"):
         raise error(f"scope.dra: {dra!r} is not auto or off")
     return ScopePolicy(MappingProxyType(actions), MappingProxyType(codes), maximum, dra=dra, **flags)
