@@ -101,5 +101,16 @@ dashboard = build_dashboard(
                         target(f"count({sel('healthagent_conditions_owned_elsewhere')} > 0) or vector(0)",
                                "condition owned elsewhere")], bars=True),
         ]),
+        (8, [  # per-GPU quarantine through DRA device taints (docs/operations.md)
+            table("GPUs quarantined", "Each GPU kept out of new claims by a DRA DeviceTaintRule: its node, "
+                  "device, UUID and stage (the rule's effect now).",
+                  [target(f"max by (node, device, uuid, stage) ({sel('healthagent_gpu_quarantined')})",
+                          instant=True, table=True)]),
+            timeseries("GPU quarantines and fallbacks", "GPUs quarantined per stage, and nodes whose GPU "
+                       "findings act on the node instead (DRA not served, GPU not published, too many GPUs).",
+                       [target(f"sum by (stage) ({sel('healthagent_gpu_quarantined')})", "{{stage}}"),
+                        target(f"count by (reason) ({sel('healthagent_gpu_quarantine_fallback')})",
+                               "fallback {{reason}}")], step=True),
+        ]),
     ],
 )

@@ -88,7 +88,8 @@ def _unobserved_lines(collection, verdict) -> list[str]:
     return lines
 
 
-def render_check(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0) -> str:
+def render_check(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0,
+                 scope=None) -> str:
     """The report a person reads on a suspect node: what was read, what could not be seen, then
     each finding as a block (what, why, the evidence, what to do next), most severe first."""
     lines = [f"GPUs: {len(collection.gpus)} read"]
@@ -120,7 +121,18 @@ def render_check(collection, verdict, exit_code: int | None = None, earlier_boot
         lines.append(f"  what: {f.summary}")
         lines.append(f"  seen: {f.evidence}")
         lines.append(f"  next: {f.next_steps}")
+        if scope is not None and scope.scope_of(f) == "gpu" and scope.device_effect(f):
+            lines.append(f"  scope: gpu: {scope_words(scope)}")
     return "\n".join(lines)
+
+
+def scope_words(scope) -> str:
+    """What a gpu-scope finding does, as ``check`` (which reads no cluster) can say it."""
+    if scope.dra == "off":
+        return "DRA is off in the policy file (scope.dra): the node acts"
+    return ("the agent quarantines this one GPU with a DRA DeviceTaintRule where the cluster serves "
+            "DeviceTaintRules and the NVIDIA DRA driver publishes the GPU; otherwise the node acts, "
+            "and the agent says so (healthagent_gpu_quarantine_fallback)")
 
 
 def check_json(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0) -> dict[str, Any]:

@@ -369,7 +369,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(check_json(collection, verdict, code, earlier), indent=2, sort_keys=True, default=str))
     else:
-        print(render_check(collection, verdict, code, earlier))
+        print(render_check(collection, verdict, code, earlier, scope=classifier.policy.scope))
     return code
 
 

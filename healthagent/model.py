@@ -465,6 +465,11 @@ class KubeStatus:
     # Decision-clock time of the next step the effects take by themselves (a grace's end, a held
     # node's next look at the budget); None: none. The effects worker wakes then.
     due_at: float | None = None
+    # Per-GPU quarantine through DRA (``healthagent/dra``): (device path, uuid, pci_bus_id, stage =
+    # the DeviceTaintRule's effect now) per quarantined GPU, and why GPU-scope findings act on the
+    # node instead (dra_not_served, gpu_not_published, too_many_gpus).
+    gpu_quarantines: tuple[tuple[str, str, str, str], ...] = ()
+    dra_fallbacks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,10 @@ def build_effects(settings: Settings, state: StateStore) -> NodeEffects | None:
                           "(--kube off needs none)")
     if settings.kube == "dry-run":
         return NodeEffects(settings, None, state)
-    return NodeEffects(settings, kube_api_client(settings), state)
+    api_client = kube_api_client(settings)
+    from healthagent.dra.effects import with_dra  # DRA hook: per-GPU quarantine where the cluster serves it
+
+    return with_dra(settings, NodeEffects(settings, api_client, state), api_client)
 
 
 def kube_api_client(settings: Settings) -> Any:

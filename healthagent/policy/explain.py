@@ -186,6 +186,9 @@ def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healt
     else:
         lines.append(f"Our action: {entry.action.value}")
     lines.append(f"Decided by: {entry.decided_by()}")
+    from healthagent.policy.scope import explain_scope  # scope.py reads findings, which this module shares
+
+    lines.append(explain_scope("GPU_XID", entry.action, policy.scope))
     if xid == RECOVERY_XID and not entry.overridden:
         lines.append("XID 154 text: the action comes from the driver's message: 'None' -> monitor, "
                      "'Drain P2P' -> restart_app, 'Drain and Reset' / 'GPU Reset Required' -> reset_gpu, "

@@ -14,6 +14,7 @@ from healthagent.policy.explain import PERSISTENCE
 from healthagent.policy.finding_catalog import catalog
 from healthagent.policy.findings import FINDINGS, duration_words
 from healthagent.policy.settings import Policy
+from healthagent.policy.scope import explain_scope
 
 # The thresholds that can end an event finding below reboot_node, first match in the row's
 # thresholds (the catalog's column) wins; none of them: counter_quiet_seconds.
@@ -69,6 +70,7 @@ def explain_code(code: str, policy: Policy) -> str:
     lines = [f"{code}: {info.title}",
              "Action: " + (info.action.value if info.action is not None else _CATALOG_ACTION.get(
                  code, "the XID catalog's, per XID (`healthagent explain XID`)")),
+             explain_scope(code, info.action, policy.scope),
              "Signal: " + ("an event, logged at one moment" if reads == EVENTS else
                            f"{kind}, judged at {READING_WORDS[reads]}")]
     lines += rule_lines(code, policy)

@@ -42,6 +42,7 @@ from healthagent.policy.debounce_file import Rules, built_in_rules, parse_rules
 from healthagent.policy.findings import DOCS, FINDING_CODES
 from healthagent.policy.mlx5_catalog import event_ids
 from healthagent.policy.rdma_ports_file import PortExpectation, expectation_for, parse_rdma_ports
+from healthagent.policy.scope import ScopePolicy, parse_scope
 
 
 class PolicyError(Exception):
@@ -94,7 +95,7 @@ THRESHOLDS: dict[str, Threshold] = {
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _NUMBER = re.compile(r"[0-9]{1,64}")  # ASCII digits only: str.isdigit() also takes "٩٤" and "²"
-TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings", "mlx5", "rdma_ports")
+TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings", "mlx5", "rdma_ports", "scope")
 # The driver's XID and SXid fields: the kernel-log parser reads at most nine digits (a longer
 # number is a malformed line), so a rule for a larger one could never match anything.
 MAX_XID = 999_999_999
@@ -116,6 +117,7 @@ class Policy:
     disabled_rules: frozenset[str] = frozenset()
     rules: Rules = field(default_factory=built_in_rules)  # when each finding may open
     rdma_ports: tuple[PortExpectation, ...] = ()  # what the operator says the fabric ports must be
+    scope: ScopePolicy = field(default_factory=ScopePolicy)  # gpu or node per code/action (policy/scope.py)
     source: str = ""  # the file it came from; "" = built-in defaults
 
     def __getattr__(self, name: str) -> float:
@@ -278,6 +280,7 @@ def parse_policy(data: Any, source: str = "", readings: Mapping[str, float] | No
         disabled_rules=_disabled(data.get("disabled_rules")),
         rules=parse_rules(data.get("findings"), aliases, readings),
         rdma_ports=parse_rdma_ports(data.get("rdma_ports"), PolicyError),
+        scope=parse_scope(data.get("scope"), PolicyError),
         source=source,
     )
 

@@ -421,6 +421,15 @@ def _kube_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     for kind in sorted(set(API_CONDITION_KINDS) | set(kube.api_errors)):
         api_errors.add_metric([kind], float(kube.api_errors.get(kind, 0)))
     yield api_errors
+    if kube.gpu_quarantines or kube.dra_fallbacks:  # DRA hook: per-GPU quarantine (healthagent/dra)
+        quarantined = _family("gpu_quarantined")
+        for row in kube.gpu_quarantines:
+            quarantined.add_metric(list(row), 1.0)
+        yield quarantined
+        fallback = _family("gpu_quarantine_fallback")
+        for reason in kube.dra_fallbacks:
+            fallback.add_metric([reason], 1.0)
+        yield fallback
 
 
 # Failures the agent survives, by component, from the start at 0 (increase() needs the series to

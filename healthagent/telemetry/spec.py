@@ -93,6 +93,12 @@ HEALTH: tuple[MetricSpec, ...] = (
     _spec("node_action", "gauge", "action",
           "1 for the node's verdict action, 0 for the other five actions."),
     _spec("node_taint_applied", "gauge", "", "1 while the agent's own taint is on the node."),
+    _spec("gpu_quarantined", "gauge", "device uuid pci_bus_id stage",
+          "1 for each GPU quarantined with a DRA DeviceTaintRule; stage is the rule's effect now "
+          "(None, NoSchedule, NoExecute)."),
+    _spec("gpu_quarantine_fallback", "gauge", "reason",
+          "1 while GPU-scope findings act on the node instead of one device (dra_not_served, "
+          "gpu_not_published, too_many_gpus)."),
     _spec("budget_holding_taint", "gauge", "",
           "1 while the cluster-wide disruption budget holds the node at NoSchedule, waiting for a "
           "slot before its disruptive step."),

@@ -72,6 +72,9 @@ KNOWN_EMPTY: dict[tuple[str, str], str] = {
     ("remediation.json", "Budget per scope / B"): "an agent in dry-run never reads the budget's Leases",
     ("remediation.json", "Hand-offs per engine / A"): "no engine has the demo node (it is cordoned)",
     ("remediation.json", "Hand-offs per engine / B"): "no engine has the demo node (it is cordoned)",
+    ("remediation.json", "GPUs quarantined / A"): "a dry-run agent has no DRA (tests/dashboards/test_live_dra.py)",
+    ("remediation.json", "GPU quarantines and fallbacks / A"): "a dry-run agent has no DRA (test_live_dra.py)",
+    ("remediation.json", "GPU quarantines and fallbacks / B"): "a dry-run agent has no DRA (test_live_dra.py)",
 }
 
 

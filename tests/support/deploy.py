@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent.parent
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("generic", "hyperpod", "dry-run", "eks-node-repair")
 COMPONENTS = ("nvidia-runtime-class", "podmonitor", "privileged-kernel-log", "network-policy",
-              "network-policy-training-pods")
+              "network-policy-training-pods", "dra")
 # Components that are alternatives to each other: an install takes at most one of each group.
 ALTERNATIVES = (("network-policy", "network-policy-training-pods"),)
 

@@ -137,8 +137,10 @@ def make_pki(folder: Path) -> Pki:
 class ControlPlane:
     """etcd + kube-apiserver from ``assets``; ``start()``/``stop()``, or a context manager."""
 
-    def __init__(self, assets: Path, workdir: Path | None = None) -> None:
+    def __init__(self, assets: Path, workdir: Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        """``extra_args``: more kube-apiserver flags (feature gates, runtime-config)."""
         self.assets = assets
+        self.extra_args = tuple(extra_args)
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="envtest-"))
         self.etcd_port = free_port()
@@ -219,7 +221,7 @@ class ControlPlane:
             f"--service-account-signing-key-file={pki.sa_key}",
             "--authorization-mode=RBAC", "--service-cluster-ip-range=10.0.0.0/24",
             "--allow-privileged=true",
-            "--v=0"])
+            "--v=0", *self.extra_args])
         wait_for(self._ready, START_TIMEOUT_SECONDS, "kube-apiserver /readyz",
                  retry_on=(requests.RequestException,), interval=0.2)
 

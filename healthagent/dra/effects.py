@@ -1,0 +1,269 @@
+"""Per-GPU quarantine through DRA device taints: the node's effects plus one DeviceTaintRule per GPU.
+
+``DraEffects`` wraps ``effects.kube.NodeEffects`` (the worker drives it through the same
+``Effects`` protocol): each reconcile splits the verdict (``dra/split.py``), hands the node its
+part, then brings the agent's DeviceTaintRules to the device part: a rule per quarantined GPU,
+``NoSchedule`` at once and ``NoExecute`` once the grace is over when the finding calls for it,
+deleted when the finding clears. An Event on the Node names the device and why.
+
+What it learns from the API server: whether ``devicetaintrules`` are served (discovery, at
+start-up and on each slice refresh) and the node's ResourceSlices (a LIST field-selected by
+``spec.nodeName``, refreshed every ``refresh_seconds``). Where either is missing, the split gives
+the node everything, so the node behaves exactly as without this layer, and the fallback is said
+once (log, ``status()``, metrics and ``check``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from typing import Any, Callable, Mapping
+
+from healthagent.common import ErrorTally
+from healthagent.dra.rules import GROUP, PLURAL, SELECTOR, VERSION, effect_now, rule_spec, spec_of
+from healthagent.dra.slices import DeviceMap, device_map
+from healthagent.dra.split import NOT_SERVED, Split, split_verdict
+from healthagent.effects.backend import AlreadyExists, ApiError, ApiRejected, ApiUnavailable, classify_api_exception
+from healthagent.effects.events import WARNING, EVENTS_NAMESPACE, EventSpec, event_body
+from healthagent.model import KubeStatus, SourceHealth, Verdict
+from healthagent.policy.scope import ScopePolicy
+
+log = logging.getLogger(__name__)
+
+REFRESH_SECONDS = 60.0
+SLICE_VERSION = "v1"
+
+
+class DraApi:
+    """The calls: discovery, ResourceSlices of one node, the agent's DeviceTaintRules, Events."""
+
+    def __init__(self, api_client: Any, node_name: str, timeout: tuple[float, float] = (5.0, 10.0)) -> None:
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api_client)
+        self.events = client.EventsV1Api(api_client)
+        self.node_name = node_name
+        self.timeout = timeout
+
+    def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        import urllib3
+
+        try:
+            response = fn(*args, _request_timeout=self.timeout, _preload_content=False, **kwargs)
+            data = response.data
+        except ApiException as exc:
+            raise classify_api_exception(exc) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiUnavailable(f"{type(exc).__name__}: {exc}") from None
+        try:
+            return json.loads(data) if data else {}
+        except ValueError:
+            raise ApiUnavailable("the reply is not JSON") from None
+
+    def serves_rules(self) -> bool:
+        try:
+            reply = self._call(self.custom.get_api_resources, GROUP, VERSION)
+        except ApiRejected as exc:
+            if exc.status == 404:
+                return False
+            raise
+        resources = reply.get("resources") if isinstance(reply, dict) else None
+        return any(isinstance(r, dict) and r.get("name") == PLURAL for r in resources or ())
+
+    def slices(self) -> list:
+        reply = self._call(self.custom.list_cluster_custom_object, GROUP, SLICE_VERSION, "resourceslices",
+                           field_selector=f"spec.nodeName={self.node_name}")
+        items = reply.get("items") if isinstance(reply, dict) else None
+        return items if isinstance(items, list) else []
+
+    def rules(self) -> list:
+        reply = self._call(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL, label_selector=SELECTOR)
+        items = reply.get("items") if isinstance(reply, dict) else None
+        return items if isinstance(items, list) else []
+
+    def create(self, body: dict) -> None:
+        self._call(self.custom.create_cluster_custom_object, GROUP, VERSION, PLURAL, body)
+
+    def replace(self, name: str, body: dict) -> None:
+        self._call(self.custom.patch_cluster_custom_object, GROUP, VERSION, PLURAL, name,
+                   {"spec": body["spec"]})
+
+    def delete(self, name: str) -> None:
+        self._call(self.custom.delete_cluster_custom_object, GROUP, VERSION, PLURAL, name)
+
+    def event(self, body: dict) -> None:
+        self._call(self.events.create_namespaced_event, EVENTS_NAMESPACE, body)
+
+
+class DraEffects:
+    """``NodeEffects`` plus the device quarantines (see the module's docstring)."""
+
+    def __init__(self, inner: Any, api: DraApi | None, scope: ScopePolicy, taint_key: str,
+                 grace_seconds: float, refresh_seconds: float = REFRESH_SECONDS) -> None:
+        self.inner = inner
+        self.api = api
+        self.scope = scope
+        self.taint_key = taint_key
+        self.grace_seconds = grace_seconds
+        self.refresh_seconds = refresh_seconds
+        self.node_name = inner.node_name
+        self.served: bool | None = None  # None: not asked yet
+        self.devices: DeviceMap | None = None
+        self._refreshed_at: float | None = None
+        self._since: dict[str, float] = {}  # rule name -> when its quarantine began (decision clock)
+        self._announced: set[str] = set()
+        self._said: set[str] = set()
+        self._tally = ErrorTally("dra")
+        self.quarantined: Mapping[str, str] = {}  # device path -> effect now on it
+        self._shown: dict = {}  # device path -> (DeviceRef, effect)
+        self.fallbacks: tuple[str, ...] = ()
+
+    # -- the Effects protocol: the node's part delegated -------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return self.inner.mode
+
+    @property
+    def ledger(self) -> Any:
+        return self.inner.ledger
+
+    @property
+    def errors(self) -> dict[str, int]:
+        counts = dict(self.inner.errors)
+        for kind, count in self._tally.counts.items():
+            counts[f"dra_{kind}"] = count
+        return counts
+
+    def __getattr__(self, name: str) -> Any:  # on_change, pending_clear, node, ...: the node's
+        return getattr(self.__dict__["inner"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "on_change":
+            setattr(self.inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def startup(self, now: float, boot_id: str, wall: float | None = None) -> KubeStatus:
+        status = self.inner.startup(now, boot_id, wall=wall)
+        self._refresh(now)
+        return self._with_dra(status)
+
+    def reconcile(self, verdict: Verdict, now: float, boot_id: str,
+                  health: "tuple[SourceHealth, ...] | list[SourceHealth]" = (), wall: float | None = None) -> KubeStatus:
+        self._refresh(now)
+        split = split_verdict(verdict, self.scope, self.devices if self.served else None)
+        status = self.inner.reconcile(split.node_verdict, now, boot_id, health=health, wall=wall)
+        self._say_fallbacks(split)
+        try:
+            self._apply(split, now, wall if wall is not None else now)
+        except ApiError as exc:  # kept as desired: the next reconcile tries again
+            self._tally.count("write_failed", f"node={self.node_name} {exc}")
+        return self._with_dra(status)
+
+    def _with_dra(self, status: KubeStatus) -> KubeStatus:
+        rows = tuple((path, ref.uuid, ref.pci_bus_id, effect) for path, (ref, effect) in sorted(self._shown.items()))
+        return replace(status, gpu_quarantines=rows, dra_fallbacks=tuple(self.fallbacks))
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # -- the device part -----------------------------------------------------------------------------
+
+    def _refresh(self, now: float) -> None:
+        if self.api is None or self.scope.dra == "off":
+            self.served = False
+            return
+        if self._refreshed_at is not None and now - self._refreshed_at < self.refresh_seconds:
+            return
+        try:
+            self.served = self.api.serves_rules()
+            self.devices = device_map(self.api.slices(), self.node_name) if self.served else None
+            self._refreshed_at = now
+        except ApiRejected as exc:  # 403: the DRA component (its RBAC) is not installed: not served to us
+            self.served, self.devices, self._refreshed_at = False, None, now
+            if "forbidden" not in self._said:
+                self._said.add("forbidden")
+                log.warning("dra node=%s cannot read ResourceSlices (%s): GPU findings act on the node; "
+                            "install deploy/components/dra for per-GPU quarantine", self.node_name, exc)
+        except ApiError as exc:  # unknown: the last map stands (or none: the node's behaviour)
+            self._tally.count("read_failed", f"node={self.node_name} {exc}")
+
+    def _say_fallbacks(self, split: Split) -> None:
+        self.fallbacks = split.fallbacks
+        for reason in split.fallbacks:
+            if reason not in self._said:
+                self._said.add(reason)
+                words = {NOT_SERVED: "the cluster does not serve DeviceTaintRules (resource.k8s.io/v1beta2)"}
+                log.warning("dra node=%s fallback=%s: GPU findings act on the node (%s)", self.node_name, reason,
+                            words.get(reason, reason.replace("_", " ")))
+
+    def _apply(self, split: Split, now: float, wall: float) -> None:
+        if self.api is None:
+            return
+        want = {}
+        for quarantine in split.quarantines:
+            spec0 = rule_spec(self.node_name, quarantine, quarantine.effect)
+            since = self._since.setdefault(spec0.name, now)
+            want[spec0.name] = (quarantine, rule_spec(self.node_name, quarantine,
+                                                      effect_now(quarantine, since, now, self.grace_seconds)))
+        present = {}
+        if want or self.quarantined or self._refreshed_at == now:
+            for rule in self.api.rules():
+                spec = spec_of(rule)
+                name = (rule.get("metadata") or {}).get("name")
+                if spec is not None and spec[1] == self.node_name and isinstance(name, str):
+                    present[name] = spec
+        for name in sorted(set(present) - set(want)):
+            self.api.delete(name)
+            self._since.pop(name, None)
+            self._announced.discard(name)
+        shown = {}
+        for name, (quarantine, spec) in sorted(want.items()):
+            was = present.get(name)
+            if was is not None and was[3] == "NoExecute" and spec.effect == "NoSchedule":
+                spec = rule_spec(self.node_name, quarantine, "NoExecute")  # an eviction is never taken back
+            if was is None:
+                try:
+                    self.api.create(spec.body(self.taint_key))
+                except AlreadyExists:
+                    self.api.replace(name, spec.body(self.taint_key))
+            elif was != (spec.driver, spec.pool, spec.device, spec.effect, spec.value[:63]):
+                self.api.replace(name, spec.body(self.taint_key))
+            shown[quarantine.ref.path] = (quarantine.ref, spec.effect)
+            if name not in self._announced:
+                self._announce(quarantine, spec.effect, wall)
+                self._announced.add(name)
+        self._shown = shown
+        self.quarantined = {path: effect for path, (_, effect) in shown.items()}
+
+    def _announce(self, quarantine: Any, effect: str, wall: float) -> None:
+        first = quarantine.findings[0]
+        note = (f"GPU {quarantine.ref.device} ({quarantine.ref.uuid}, {quarantine.ref.pci_bus_id}) quarantined "
+                f"with a DeviceTaintRule ({effect}, {quarantine.effect} at the end of the grace): {quarantine.why}. "
+                "The node stays schedulable for its other GPUs.")
+        spec = EventSpec(key=f"device/{first.key}/{quarantine.ref.device}", type=WARNING, reason=first.code,
+                         action="DeviceQuarantined", note=note, at=wall)
+        try:
+            self.api.event(event_body(spec, self.node_name))  # type: ignore[union-attr]
+        except ApiError as exc:  # an Event is a courtesy: the rule is what matters
+            self._tally.count("event_failed", f"node={self.node_name} {exc}")
+
+    def status(self) -> dict:
+        """For metrics and ``check``: whether DRA is served, the mapped GPUs, the quarantines, the fallbacks."""
+        return {"served": bool(self.served), "devices": len(self.devices.devices) if self.devices else 0,
+                "quarantined": dict(self.quarantined), "fallbacks": list(self.fallbacks)}
+
+
+def with_dra(settings: Any, effects: Any, api_client: Any) -> Any:
+    """The node's effects wrapped for DRA, unless the policy file says ``scope: {dra: off}``."""
+    from healthagent.policy.settings import load_policy
+
+    scope = load_policy(settings.policy_file).scope
+    if scope.dra == "off":
+        return effects
+    return DraEffects(effects, DraApi(api_client, effects.node_name), scope, settings.taint_key,
+                      settings.replace_noexecute_grace_seconds)
