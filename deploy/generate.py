@@ -44,7 +44,10 @@ RULES_FILE = REPO / "alerts" / "healthagent.rules.yaml"
 DASHBOARD_DIR = REPO / "dashboards"
 OUTPUT_DIR = REPO / "deploy" / "base" / "generated"
 CHART_FILES_DIR = REPO / "deploy" / "helm" / "healthagent" / "files"
-CHART_COPIES = (REPO / "deploy" / "base" / "admission-policy.yaml",)
+CHART_COPIES = {
+    "admission-policy.yaml": REPO / "deploy" / "base" / "admission-policy.yaml",
+    "dra-admission-policy.yaml": REPO / "deploy" / "components" / "dra" / "admission-policy.yaml",
+}
 
 NAMESPACE = "healthagent"
 COMMON_LABELS = {"app.kubernetes.io/name": "healthagent", "app.kubernetes.io/part-of": "healthagent"}
@@ -182,7 +185,7 @@ def build(rules_file: Path = RULES_FILE, dashboard_dir: Path = DASHBOARD_DIR,
 
 def chart_files(files: dict[str, str]) -> dict[str, str]:
     """What the chart's files/ holds: the generated objects (not the kustomization) and the copies."""
-    copies = {path.name: path.read_text(encoding="utf-8") for path in CHART_COPIES}
+    copies = {name: path.read_text(encoding="utf-8") for name, path in CHART_COPIES.items()}
     return {**{name: text for name, text in files.items() if name != "kustomization.yaml"}, **copies}
 
 

@@ -40,6 +40,7 @@ COMPONENT_VALUES: dict[str, dict[str, Any]] = {
     "privileged-kernel-log": {"privilegedKernelLog": True},
     "network-policy": {"networkPolicy": {"enabled": True}},
     "network-policy-training-pods": {"networkPolicy": {"trainingPodsOnly": True}},
+    "dra": {"dra": {"enabled": True}},
 }
 # Labels Helm's objects carry and Kustomize's do not: who manages them, not what they do.
 HELM_LABELS = ("app.kubernetes.io/instance", "app.kubernetes.io/managed-by", "app.kubernetes.io/version",
