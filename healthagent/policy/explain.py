@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from healthagent.model import Action
 from healthagent.policy.catalog import BUCKET_ACTIONS, RECOVERY_XID, Catalog, CatalogEntry
+from healthagent.policy.debounce import row
 from healthagent.policy.findings import ACTION_STEPS, FINDINGS
 from healthagent.policy.settings import Policy
 
@@ -193,8 +194,6 @@ def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healt
                      "takes the most severe of its XIDs.")
     lines.append(f"Finding: GPU_XID, one per incident (XIDs on one GPU until "
                  f"{policy.incident_quiet_seconds:g} s of silence); {persistence(entry.action, policy)}")
-    from healthagent.policy.explain_code import xid_rule_line  # it builds on this module
-
     tuned = xid_rule_line("GPU_XID", policy)
     if tuned:
         lines.append(tuned)
@@ -208,3 +207,10 @@ def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healt
     lines.append("What to do: " + what_to_do(xid, entry))
     lines.append(f"Runbook: {FINDINGS['GPU_XID'].runbook}")
     return "\n".join(lines)
+
+
+def xid_rule_line(code: str, policy: Policy) -> str | None:
+    """For ``explain XID``: one line when the incident's rule is not the built-in one."""
+    if policy.rule(code) == row(code).rule:
+        return None
+    return f"Finding rule: {code} opens {policy.rule(code).words()} (`healthagent explain {code}`)"
