@@ -415,7 +415,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from healthagent.demo.prepare import PrepareRefused
-    from healthagent.demo.script import run_demo
+    from healthagent.demo.command import run_demo
     from healthagent.demo.stub_nvml import StubBuildError
 
     if args.fabric == "ib" and args.xid is not None:
