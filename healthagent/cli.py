@@ -28,16 +28,16 @@ from typing import Any, Iterator
 
 from healthagent import __version__
 from healthagent.check_report import EXIT_CANNOT_RUN, check_exit_code, check_json, collect_once, render_check
+from healthagent.cli_inputs import (CannotRun, InputUnreadable, choose_state_file, classify_input, dry_run_node_name,
+                                    in_a_pod, named_kernel_log_problem, open_lines, state_file_given, summary)
+from healthagent.cli_token import training_token
 from healthagent.config import ConfigError, Settings, load_settings
+from healthagent.demo import DEMO_GPUS
 
 EXIT_USAGE = EXIT_CANNOT_RUN  # a usage error is "could not run", never check's 2 ("node action")
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a Unix tool whose reader left
 DEMO_FABRICS = ("efa", "ib")  # ``demo --fabric``: the demo node's network
 DEMO_XID = 94  # ``demo --xid``'s default: a contained memory error
-
-
-class CannotRun(Exception):
-    """A command cannot do its job (an input file that cannot be read); ``str()`` is one line."""
 
 
 class _Help(argparse.HelpFormatter):
@@ -78,8 +78,6 @@ def _default(name: str) -> str:
 
 
 def _demo_gpu(text: str) -> int:
-    from healthagent.demo import DEMO_GPUS
-
     index = _whole_number(text)
     if not 0 <= index < DEMO_GPUS:
         raise argparse.ArgumentTypeError(f"{text!r}: the demo node has GPUs 0 to {DEMO_GPUS - 1}")
@@ -89,6 +87,7 @@ def _demo_gpu(text: str) -> int:
 def _xid_or_code(text: str) -> int | str:
     """``explain``'s subject: an XID number, a finding code (upper case) or a ConnectX adapter
     event id of the mlx5 catalog (lower case), each accepted in any case."""
+    # deferred: the explain subject's tables load only when explain runs
     from healthagent.policy.findings import FINDING_CODES
     from healthagent.policy.mlx5_catalog import event_ids
 
@@ -275,6 +274,7 @@ def _setup_logging(level: str) -> None:
 def _catalog(policy_file: str | None, settings: Settings | None = None):
     """The policy and the catalog merged with it; with ``settings``, the rules' windows are checked
     against the reading intervals as ``run`` checks them."""
+    # deferred: the policy and the catalog load only when classify or explain runs
     from healthagent.policy.catalog import load_catalog
     from healthagent.policy.debounce_file import reading_intervals
     from healthagent.policy.settings import load_policy
@@ -291,7 +291,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
     """One JSON object per XID, SXid or mlx5 adapter event line on stdout; on stderr, how many
     lines were read and how many were events (so an empty stdout says "none found", not "nothing
     read")."""
-    from healthagent.cli_inputs import InputUnreadable, classify_input, open_lines, summary
+    # deferred: the ConnectX wording and the offline log reader load only when classify runs
     from healthagent.policy.mlx5_catalog import load_mlx5_catalog
     from healthagent.policy.mlx5_words import classify_row
     from healthagent.sources.kernel_log.offline import iter_classifiable
@@ -328,6 +328,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     HyperPod's labels decide which engine acts. A finding code: the rule that opens it, each
     field saying whether it is built in or which key of the policy file set it. A ConnectX event
     id: its catalog row with the policy file's ``mlx5:`` override, as the agent applies it."""
+    # deferred: explain's wording loads only when explain runs
     from healthagent.policy.classify import explain
     from healthagent.policy.explain_code import explain_code
     from healthagent.policy.findings import FINDING_CODES
@@ -335,6 +336,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     settings = _settings(args)
     policy, catalog = _catalog(settings.policy_file, settings)
     if isinstance(args.subject, str) and args.subject not in FINDING_CODES:
+        # deferred: the ConnectX catalog's wording loads only for a ConnectX event id
         from healthagent.policy.mlx5_catalog import load_mlx5_catalog
         from healthagent.policy.mlx5_words import explain_mlx5
 
@@ -351,13 +353,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
 # -- check ----------------------------------------------------------------------------------------
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from healthagent.cli_inputs import named_kernel_log_problem
-
     settings = _settings(args)
     problem = named_kernel_log_problem(settings.kernel_log)
     if problem:
         raise CannotRun(f"check: {problem}")
     _setup_logging(settings.log_level if args.log_level else "ERROR")
+    # deferred: the agent's parts (about 0.4 s to import) load only for check, run and demo
     from healthagent.wiring import build_classifier
 
     classifier = build_classifier(settings)
@@ -381,8 +382,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     Outside a pod, with no state file named, the state goes to the user's state directory, and a
     dry run with no node name reports as this host; one log line says each (``cli_inputs`` says
     why)."""
-    from healthagent.cli_inputs import choose_state_file, dry_run_node_name, in_a_pod, state_file_given
-
     settings = _settings(args)
     given = state_file_given(args.state_file, parse_set_values(args.set_values), os.environ, args.config)
     in_pod = in_a_pod(os.environ)
@@ -396,6 +395,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for note in (choice.note, node.note):
         if note:
             logging.getLogger(__name__).info(note)
+    # deferred: the agent's parts (about 0.4 s to import) load only for check, run and demo
     from healthagent.wiring import AgentRuntime
 
     runtime = AgentRuntime(settings)
@@ -414,8 +414,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    # deferred: the demo (its stub NVML, its scripts and the agent) loads only when demo runs
     from healthagent.demo.prepare import PrepareRefused
-    from healthagent.demo.script import run_demo
+    from healthagent.demo.command import run_demo
     from healthagent.demo.stub_nvml import StubBuildError
 
     if args.fabric == "ib" and args.xid is not None:
@@ -435,8 +436,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_training_token(args: argparse.Namespace) -> int:
-    from healthagent.cli_token import training_token
-
     return training_token(args)
 
 

@@ -23,6 +23,10 @@ POD_STATE_FILE: str = next(f.default for f in fields(Settings) if f.name == "sta
 KERNEL_LOG = "dev/kmsg"  # under the host root, as check and run read it
 
 
+class CannotRun(Exception):
+    """A command cannot do its job (an input file that cannot be read); ``str()`` is one line."""
+
+
 class InputUnreadable(Exception):
     """``classify``'s input cannot be read; ``str()`` is one line with the fix."""
 

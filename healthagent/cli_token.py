@@ -7,8 +7,10 @@ import argparse
 import json
 import re
 
-from healthagent.cli import CannotRun
+from healthagent.cli_inputs import CannotRun
 from healthagent.config import load_settings
+from healthagent.training.access import job_token
+from healthagent.training.schema import ReportError, parse_report
 
 
 def training_token(args: argparse.Namespace) -> int:
@@ -16,9 +18,6 @@ def training_token(args: argparse.Namespace) -> int:
 
     Run where the training key is (``kubectl -n healthagent exec ds/healthagent -- healthagent
     training-token JOB ...``: the agent's pod has it from the Secret healthagent-training)."""
-    from healthagent.training.access import job_token
-    from healthagent.training.schema import ReportError, parse_report
-
     settings = load_settings(config_file=args.config)
     if not settings.training_token:
         raise CannotRun("training-token: no training key here (training_token is empty); run it in an "

@@ -25,16 +25,30 @@ from healthagent.agent import Agent, Scheduled
 from healthagent.clock import STATE_KEY as CLOCK_STATE_KEY
 from healthagent.clock import DecisionClock, fresh_epoch, restore_epoch, saved_epoch
 from healthagent.config import ConfigError, Settings, read_yaml
+from healthagent.effects.kube import NodeEffects
+from healthagent.effects.state import StateStore
+from healthagent.effects.worker import EffectsWorker
+from healthagent.policy.catalog import load_catalog
+from healthagent.policy.classify import Classifier
+from healthagent.policy.debounce_file import reading_intervals
+from healthagent.policy.settings import load_policy
+from healthagent.policy.scope import ScopePolicy
+from healthagent.dra.effects import with_dra
 from healthagent.sources.base import DeadlineSource, Source, read_boot_id
+from healthagent.sources.dcgm import DcgmSource
+from healthagent.sources.efa import EfaSource
+from healthagent.sources.instance import resolve_expected
+from healthagent.sources.kernel_log.cursor import KmsgCursor
+from healthagent.sources.kernel_log.source import KmsgSource
+from healthagent.sources.kernel_log.wake import Doorbell
+from healthagent.sources.rdma import RdmaSource
+from healthagent.telemetry.metrics import Telemetry
+from healthagent.telemetry.server import AgentServer, ListenError
+from healthagent.training.access import IntakeAccess
+from healthagent.training.intake import TrainingIntake
 
-if TYPE_CHECKING:  # types only: each builder imports what it builds when it builds it
-    from healthagent.effects.kube import NodeEffects
-    from healthagent.effects.state import StateStore
-    from healthagent.policy.classify import Classifier
-    from healthagent.sources.kernel_log.cursor import KmsgCursor
-    from healthagent.sources.kernel_log.source import KmsgSource
+if TYPE_CHECKING:  # types only: the NVML source loads pynvml, which only its builder needs
     from healthagent.sources.nvml import NvmlSource
-    from healthagent.telemetry.server import ListenError
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +70,6 @@ class Sources:
 def expected_inventory(settings: Settings) -> tuple[int | None, int | None]:
     """(GPUs, EFA devices) the node must have: each configured value, else the instance type's
     (``sources/instance.py``); None where neither says."""
-    from healthagent.sources.instance import resolve_expected
-
     return resolve_expected(settings.host_root, settings.expected_gpus, settings.expected_efa_devices,
                             efa_from_table=settings.efa_expected_from_instance_type)
 
@@ -68,16 +80,13 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
     arrives (wakes the loop); ``kmsg_cursor``: where the previous run stopped reading; ``clock``:
     the decision clock that NVML's events and the kernel log's records are stamped on (None: each
     source's own, for a one-off collection)."""
-    from healthagent.sources.efa import EfaSource
-    from healthagent.sources.rdma import RdmaSource
-    from healthagent.sources.kernel_log.source import KmsgSource
-
     # Periodic sources run under a deadline (DeadlineSource): a wedged driver or filesystem must
     # never hold the loop, which also reads the kernel log and drives the effects.
     deadline = settings.source_timeout_seconds
     scheduled: list[Scheduled] = []
     nvml = None
     if settings.nvml:
+        # deferred: with NVML off (--no-nvml, a node without GPUs) pynvml is never loaded
         from healthagent.sources.nvml import NvmlSource
 
         nvml = NvmlSource(expected_gpus=expected_inventory(settings)[0], on_event=on_event,
@@ -89,8 +98,6 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
     scheduled.append(Scheduled(DeadlineSource(RdmaSource(settings.host_root), deadline),
                                settings.rdma_interval_seconds))
     if settings.dcgm_url:
-        from healthagent.sources.dcgm import DcgmSource
-
         dcgm = DcgmSource(settings.dcgm_url, settings.dcgm_timeout_seconds)
         scheduled.append(Scheduled(DeadlineSource(dcgm, max(deadline, 2 * settings.dcgm_timeout_seconds)),
                                    settings.dcgm_interval_seconds))
@@ -102,22 +109,15 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
 
 def build_classifier(settings: Settings) -> Classifier:
     """The classifier with the catalog and the operator's policy file (if any) merged in."""
-    from healthagent.policy.catalog import load_catalog
-    from healthagent.policy.classify import Classifier
-    from healthagent.policy.settings import load_policy
-
-    from healthagent.policy.debounce_file import reading_intervals
-
     policy = load_policy(settings.policy_file, reading_intervals(settings))
     return Classifier(policy, load_catalog(policy))
 
 
-def build_effects(settings: Settings, state: StateStore) -> NodeEffects | None:
-    """NodeEffects for the configured Kubernetes mode; None when kube=off (no effects at all)."""
+def build_effects(settings: Settings, state: StateStore, scope: ScopePolicy | None = None) -> NodeEffects | None:
+    """NodeEffects for the configured Kubernetes mode; None when kube=off (no effects at all).
+    ``scope`` is the loaded policy's (the runtime passes its classifier's); None reads the file."""
     if settings.kube == "off":
         return None
-    from healthagent.effects.kube import NodeEffects
-
     # One rule for every mode that writes or shows writes (in-cluster, kubeconfig, dry-run): the
     # node is the one named, never a guess from the hostname, which in a pod is the pod's name.
     if not settings.node_name:
@@ -127,14 +127,15 @@ def build_effects(settings: Settings, state: StateStore) -> NodeEffects | None:
     if settings.kube == "dry-run":
         return NodeEffects(settings, None, state)
     api_client = kube_api_client(settings)
-    from healthagent.dra.effects import with_dra  # DRA hook: per-GPU quarantine where the cluster serves it
-
-    return with_dra(settings, NodeEffects(settings, api_client, state), api_client)
+    if scope is None:
+        scope = load_policy(settings.policy_file, reading_intervals(settings)).scope
+    return with_dra(scope, settings, NodeEffects(settings, api_client, state), api_client)
 
 
 def kube_api_client(settings: Settings) -> Any:
     """The ``kubernetes`` ApiClient for kube=in-cluster or kubeconfig; a setup the client cannot
     use is a ConfigError (one line naming the setting and the fix), never a traceback."""
+    # deferred: the kubernetes client takes a third of a second to load; only a cluster mode needs it
     from kubernetes import client, config
     from kubernetes.config.config_exception import ConfigException
 
@@ -184,20 +185,10 @@ class AgentRuntime:
         """``clock``: the decision clock (default: ``DecisionClock`` over this boot's epoch, kept
         in the state file); ``wall``: wall time for what people read (default ``time.time``, or
         ``clock`` itself when a caller hands one clock)."""
-        from healthagent.effects.state import StateStore
-        from healthagent.effects.worker import EffectsWorker
-        from healthagent.sources.kernel_log.cursor import KmsgCursor
-        from healthagent.training.access import IntakeAccess
-        from healthagent.telemetry.metrics import Telemetry
-        from healthagent.telemetry.server import AgentServer
-        from healthagent.training.intake import TrainingIntake
-
         self.settings = settings
         self.stop_event = threading.Event()
         self.state = StateStore(settings.state_file)
         self.state.load()
-        from healthagent.sources.kernel_log.wake import Doorbell
-
         wake = Doorbell()  # NVML's event thread and a stop request wake the loop through it
         boot_id = read_boot_id(settings.host_root)
         decision_clock = DecisionClock(restore_epoch(self.state.get(CLOCK_STATE_KEY), boot_id, fresh_epoch()))
@@ -220,7 +211,7 @@ class AgentRuntime:
         # What the node must have: the settings, else the instance type's row (sources/instance.py).
         expected_gpus, expected_efa_devices = expected_inventory(settings)
         log.info("expected inventory gpus=%s efa_devices=%s", expected_gpus, expected_efa_devices)
-        effects = build_effects(settings, self.state)
+        effects = build_effects(settings, self.state, classifier.policy.scope)
         worker = None
         if effects is not None:
             # A changed status (a write landed, the API server gone) wakes the loop, which
@@ -244,8 +235,6 @@ class AgentRuntime:
 
     def start(self, owns_process: bool = False) -> None:
         """Serve HTTP and run the loop on a background thread (``owns_process``: see ``Agent.run``)."""
-        from healthagent.telemetry.server import ListenError
-
         try:
             self.server.start()
         except ListenError as exc:  # port in use, address not on this host, name that does not resolve

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from healthagent.demo import stub_nvml
 from healthagent.demo.boot_log import Line, kmsg_record, kmsg_text, p5_boot_log
 from healthagent.model import canonical_pci_bus_id
 from healthagent.sources.instance import PRODUCT_NAME
@@ -289,8 +290,6 @@ class DemoNode:
         if via in ("kmsg", "both"):
             text = self._append_xid_records(gpu, xid)
         if via in ("nvml", "both"):
-            from healthagent.demo import stub_nvml
-
             stub_nvml.inject_xid(self.scenario, gpu, xid)
         return text
 
@@ -408,8 +407,6 @@ def write_demo_node(root: Path, product_name: str, efa_devices: list[str],
     the EFA devices among it): the NVML scenario (its GPUs at ``gpu_pci_bus_ids`` when given), the
     kernel log ``boot_log`` writes for those GPUs and driver version, the boot, and the firmware's
     product name."""
-    from healthagent.demo import stub_nvml
-
     root.mkdir(parents=True, exist_ok=True)
     built_at = time.time()
     # The demo kernel shares this machine's monotonic clock, as a node's kernel log does the

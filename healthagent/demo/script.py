@@ -5,8 +5,8 @@ devices in a sysfs tree, a /dev/kmsg-format log, an 8 x H100 NVML scenario serve
 ``libnvidia-ml.so.1`` compiled from C), starts the same ``AgentRuntime`` that ``healthagent run``
 starts, with Kubernetes in dry-run, and then appends a real-format XID record to the kernel log.
 What the demo prints is read back from the running agent: its verdict and its ``/metrics``.
-``--fabric ib`` runs the same agent on an InfiniBand node instead (``ib_script.py``); the helpers
-here (starting the agent, printing findings, the taint steps, the scrape, ``--keep-running``)
+``--fabric ib`` runs the same agent on an InfiniBand node instead (``ib_script.py``;
+``command.py`` picks the script); the helpers here (starting the agent, printing findings, the taint steps, the scrape, ``--keep-running``)
 serve both scripts.
 
 Putting the stub in NVML's place is the demo's own step (``stub_setup``), taken here before the
@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import secrets
 import shlex
 import signal
-import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -30,12 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from healthagent.config import Settings, load_settings
+from healthagent.demo.node import DemoNode, build_demo_root
+from healthagent.demo.stub_nvml import SCENARIO_ENV, StubBuildError
+from healthagent.demo.stub_setup import stub_nvml_env, use_stub_nvml
 from healthagent.model import Action, Verdict
+from healthagent.training.access import job_token
+from healthagent.wiring import AgentRuntime
 
 if TYPE_CHECKING:
     from healthagent.agent import Agent
-    from healthagent.demo.node import DemoNode
-    from healthagent.wiring import AgentRuntime
 
 POLL_SECONDS = 0.02
 DEMO_GRACE_SECONDS = 3.0  # NoSchedule -> NoExecute for replace_node and reboot_node; 120 s on a real node
@@ -66,45 +66,19 @@ def metrics_excerpt(url: str, keep: Callable[[str], bool]) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("#") and keep(line)]
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from healthagent.demo.node import build_demo_root
-
-    ib = args.fabric == "ib"
-    if args.prepare:
-        from healthagent.demo.ib_node import build_ib_demo_root
-        from healthagent.demo.prepare import prepare
-
-        build = (lambda root: build_ib_demo_root(root).node) if ib else build_demo_root
-        node = prepare(Path(args.prepare), args.fabric, args.replace, build)
-        say(f"demo host root written to {node.root}")
-        say(f"try: {_check_command(node)}")
-        return 0
-
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="  log: %(levelname)s %(name)s %(message)s")
-    logging.getLogger("healthagent.effects").setLevel(logging.INFO)
-    # The stub in NVML's place is what the demo is: its header says so, so the warning that keeps
-    # a stub from passing for a real GPU elsewhere would only be a scary first line here.
-    logging.getLogger("healthagent.demo.stub_setup").setLevel(logging.ERROR)
-    with tempfile.TemporaryDirectory(prefix="healthagent-demo-") as tmp:
-        if ib:
-            from healthagent.demo.ib_script import run_ib_demo
-
-            return run_ib_demo(args, Path(tmp))
-        node = build_demo_root(Path(tmp) / "host")
-        say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 answered by the stub NVML library "
-            f"the demo builds, {len(node.efa_devices)} EFA devices), Kubernetes in dry-run")
-        with running_agent(node, demo_settings(node, Path(tmp), args.listen)) as runtime:
-            return _script(args, node, runtime)
+def run_efa_demo(args: argparse.Namespace, tmp: Path) -> int:
+    """The p5.48xlarge-shaped node's script, with its host root under ``tmp``."""
+    node = build_demo_root(tmp / "host")
+    say("healthagent demo: a p5.48xlarge-shaped node (8 x H100 answered by the stub NVML library "
+        f"the demo builds, {len(node.efa_devices)} EFA devices), Kubernetes in dry-run")
+    with running_agent(node, demo_settings(node, tmp, args.listen)) as runtime:
+        return _script(args, node, runtime)
 
 
 @contextlib.contextmanager
 def running_agent(node: DemoNode, settings: Settings) -> Iterator[AgentRuntime]:
     """The ``AgentRuntime`` that ``healthagent run`` starts, on ``node`` with the stub in NVML's
     place and the effects passing over the node every ``DEMO_EFFECTS_PASS_SECONDS``; stopped on exit."""
-    from healthagent.demo.stub_setup import use_stub_nvml
-    from healthagent.wiring import AgentRuntime
-
     use_stub_nvml(node.scenario)
     runtime = AgentRuntime(settings)
     if runtime.agent.effects_worker is not None:
@@ -132,12 +106,9 @@ def demo_settings(node: DemoNode, workdir: Path, listen: str = "127.0.0.1:0", **
     })
 
 
-def _check_command(node: DemoNode) -> str:
+def check_command(node: DemoNode) -> str:
     """``check`` on the prepared root, with the environment that makes its NVML the stub (the
     production command never sets that up itself); without a C compiler, NVML stays off."""
-    from healthagent.demo.stub_nvml import SCENARIO_ENV, StubBuildError
-    from healthagent.demo.stub_setup import stub_nvml_env
-
     try:
         env = stub_nvml_env(node.scenario, base={})
     except StubBuildError as exc:
@@ -268,8 +239,6 @@ def say_scrape(runtime: AgentRuntime, urls: Urls, keep: Callable[[str], bool]) -
 
 def keep_running(runtime: AgentRuntime, urls: Urls) -> None:
     """``--keep-running``: serve both ports until Ctrl-C or SIGTERM, with a job token to try the intake."""
-    from healthagent.training.access import job_token
-
     token = job_token(runtime.settings.training_token, DEMO_JOB)
     # Ctrl-C and SIGTERM end the wait below whatever this process inherited: a shell starts a
     # background job with SIGINT ignored, and Python then keeps it ignored. The handler only

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import pynvml
+
 from healthagent.common import atomic_write
 
 SCENARIO_ENV = "HEALTHAGENT_STUB_NVML_SCENARIO"
@@ -111,8 +113,6 @@ def preload_stub(lib: Path) -> ctypes.CDLL:
     pynvml directly so nothing depends on search paths. If pynvml already holds a stub (built into
     another cache folder, say) that one is kept; if it holds a real NVML, RuntimeError: too late.
     """
-    import pynvml
-
     with pynvml.libLoadLock:
         current = pynvml.nvmlLib
         if current is not None:

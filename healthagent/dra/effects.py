@@ -39,6 +39,7 @@ class DraApi:
     """The calls: discovery, ResourceSlices of one node, the agent's DeviceTaintRules, Events."""
 
     def __init__(self, api_client: Any, node_name: str, timeout: tuple[float, float] = (5.0, 10.0)) -> None:
+        # deferred: the kubernetes client takes a third of a second to load; only a cluster mode needs it
         from kubernetes import client
 
         self.custom = client.CustomObjectsApi(api_client)
@@ -47,8 +48,8 @@ class DraApi:
         self.timeout = timeout
 
     def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        # deferred: as above, the kubernetes client and its urllib3 load only in a cluster mode
         from kubernetes.client.exceptions import ApiException
-
         import urllib3
 
         try:
@@ -258,11 +259,8 @@ class DraEffects:
                 "quarantined": dict(self.quarantined), "fallbacks": list(self.fallbacks)}
 
 
-def with_dra(settings: Any, effects: Any, api_client: Any) -> Any:
+def with_dra(scope: ScopePolicy, settings: Any, effects: Any, api_client: Any) -> Any:
     """The node's effects wrapped for DRA, unless the policy file says ``scope: {dra: off}``."""
-    from healthagent.policy.settings import load_policy
-
-    scope = load_policy(settings.policy_file).scope
     if scope.dra == "off":
         return effects
     return DraEffects(effects, DraApi(api_client, effects.node_name), scope, settings.taint_key,

@@ -33,6 +33,8 @@ import logging
 import random
 from typing import Any, Callable, Iterator
 
+import urllib3
+
 from healthagent.model import API_CONDITION_KINDS
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,7 @@ class ApiBackend:
 
     def __init__(self, api_client: Any, node_name: str,
                  request_timeout: tuple[float, float] = DEFAULT_REQUEST_TIMEOUT) -> None:
+        # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
         from kubernetes import client
 
         without_client_retries(api_client)
@@ -177,7 +180,7 @@ class ApiBackend:
 
     def _send(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Call a typed client method for its raw response; errors classified."""
-        import urllib3
+        # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
         from kubernetes.client.exceptions import ApiException
 
         kwargs.setdefault("_request_timeout", self.timeout)
@@ -189,8 +192,6 @@ class ApiBackend:
             raise ApiUnavailable(f"{type(exc).__name__}: {exc}") from None
 
     def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        import urllib3
-
         response = self._send(fn, *args, **kwargs)
         try:
             data = response.data
@@ -209,6 +210,7 @@ class ApiBackend:
 def without_client_retries(api_client: Any) -> None:
     """Switch off urllib3's retries in ``api_client`` (the client's default is three per call,
     each logged as a WARNING): a failed call fails at once and the agent's backoff decides."""
+    # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
     from kubernetes.client import rest
 
     configuration = api_client.configuration
@@ -300,7 +302,7 @@ class WatchStream:
     def lines(self) -> Iterator[str]:
         """The stream's lines until the server ends it cleanly; a cut or a hung stream raises
         ``ApiUnavailable``."""
-        import urllib3
+        # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
         from kubernetes.watch.watch import iter_resp_lines
 
         try:

@@ -52,6 +52,7 @@ class LeaseStore:
     """The budget's Leases in ``namespace``, through ``backend``'s client and error handling."""
 
     def __init__(self, backend: ApiBackend, namespace: str) -> None:
+        # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
         from kubernetes import client
 
         self._backend = backend
@@ -120,6 +121,7 @@ class LeaseStore:
         api = self.core.api_client
 
         def list_node_table(_preload_content: bool = False, _request_timeout: Any = None) -> Any:
+            # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
             from kubernetes.client.exceptions import ApiException
 
             method, url, headers, _, _ = api.param_serialize(

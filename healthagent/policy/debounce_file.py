@@ -30,6 +30,9 @@ from typing import Any, Mapping
 from healthagent.policy.debounce import (ALIASES, EVENTS, FIELDS, INVENTORY, MAX_HITS, READING_WORDS, EFA,
                                          GPU, RDMA, Rule, row)
 from healthagent.policy.findings import DOCS, FINDING_CODES, duration_words
+from healthagent.policy.policy_error import PolicyError
+from healthagent.policy.policy_error import shown_key as _shown
+from healthagent.policy.policy_error import written_value as _written
 
 BUILT_IN_ORIGIN = "built-in"
 MAX_DURATION = 30 * 24 * 3600.0  # as the thresholds' seconds: far past any real use
@@ -80,8 +83,7 @@ def reading_intervals(settings: Any) -> dict[str, float]:
 def parse_rules(raw: Any, aliases_given: Mapping[str, float],
                 readings: Mapping[str, float] | None = None) -> Rules:
     """The ``findings:`` section over the table and the aliases set in ``thresholds:``. Raises
-    ``PolicyError`` (imported late: settings imports this module). ``readings``: seconds between
-    readings by kind (``reading_intervals``); None leaves the window-against-count check out (a
+    ``PolicyError``. ``readings``: seconds between readings by kind (``reading_intervals``); None leaves the window-against-count check out (a
     command that judges no readings, such as ``classify``)."""
     by_code = {code: row(code).rule for code in FINDING_CODES}
     origins: dict[str, dict[str, str]] = {}
@@ -101,8 +103,6 @@ def parse_rules(raw: Any, aliases_given: Mapping[str, float],
 
 
 def _error(text: str) -> Exception:
-    from healthagent.policy.settings import PolicyError  # here: settings imports this module
-
     return PolicyError(text)
 
 
@@ -203,15 +203,3 @@ def _check(code: str, rule: Rule, fields: Mapping[str, str], readings: Mapping[s
                          f"{READING_WORDS[reads]} (one every {interval:g} s, so {rule.count} take "
                          f"{needed:g} s); use a window of at least {needed:g}s or a smaller count")
 
-
-def _shown(key: Any) -> str:
-    """A key as the file's other errors name it (one line, whatever the key holds)."""
-    from healthagent.policy.settings import _shown as shown
-
-    return shown(key)
-
-
-def _written(value: Any) -> str:
-    from healthagent.policy.settings import _written as written
-
-    return written(value)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from healthagent.model import Action
 from healthagent.policy.catalog import BUCKET_ACTIONS, RECOVERY_XID, Catalog, CatalogEntry
+from healthagent.policy.debounce import row
 from healthagent.policy.findings import ACTION_STEPS, FINDINGS
 from healthagent.policy.settings import Policy
+from healthagent.policy.scope import explain_scope
 
 PERSISTENCE = {
     Action.NONE: "no finding is raised (the XID is still counted in healthagent_xid_errors_total)",
@@ -186,8 +188,6 @@ def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healt
     else:
         lines.append(f"Our action: {entry.action.value}")
     lines.append(f"Decided by: {entry.decided_by()}")
-    from healthagent.policy.scope import explain_scope  # scope.py reads findings, which this module shares
-
     lines.append(explain_scope("GPU_XID", entry.action, policy.scope))
     if xid == RECOVERY_XID and not entry.overridden:
         lines.append("XID 154 text: the action comes from the driver's message: 'None' -> monitor, "
@@ -196,8 +196,6 @@ def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healt
                      "takes the most severe of its XIDs.")
     lines.append(f"Finding: GPU_XID, one per incident (XIDs on one GPU until "
                  f"{policy.incident_quiet_seconds:g} s of silence); {persistence(entry.action, policy)}")
-    from healthagent.policy.explain_code import xid_rule_line  # it builds on this module
-
     tuned = xid_rule_line("GPU_XID", policy)
     if tuned:
         lines.append(tuned)
@@ -211,3 +209,10 @@ def explain(xid: int, catalog: Catalog, policy: Policy, vocabulary: str = "healt
     lines.append("What to do: " + what_to_do(xid, entry))
     lines.append(f"Runbook: {FINDINGS['GPU_XID'].runbook}")
     return "\n".join(lines)
+
+
+def xid_rule_line(code: str, policy: Policy) -> str | None:
+    """For ``explain XID``: one line when the incident's rule is not the built-in one."""
+    if policy.rule(code) == row(code).rule:
+        return None
+    return f"Finding rule: {code} opens {policy.rule(code).words()} (`healthagent explain {code}`)"

@@ -88,13 +88,6 @@ def explain_code(code: str, policy: Policy) -> str:
     return "\n".join(lines)
 
 
-def xid_rule_line(code: str, policy: Policy) -> str | None:
-    """For ``explain XID``: one line when the incident's rule is not the built-in one."""
-    if policy.rule(code) == row(code).rule:
-        return None
-    return f"Finding rule: {code} opens {policy.rule(code).words()} (`healthagent explain {code}`)"
-
-
 def catalog_lines(code: str, policy: Policy) -> list[str]:
     """The rest of the code's catalog row: the condition it turns, the thresholds its rule reads
     (with the values in force) and its reason in each vocabulary."""

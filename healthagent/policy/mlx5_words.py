@@ -19,7 +19,7 @@ from typing import Any
 from healthagent.model import Action, AdapterEvent, XidEvent
 from healthagent.policy.catalog import Catalog
 from healthagent.policy.classify import classify_event
-from healthagent.policy.explain_code import xid_rule_line
+from healthagent.policy.explain import xid_rule_line
 from healthagent.policy.findings import FINDINGS, duration_words
 from healthagent.policy.mlx5_catalog import Mlx5Catalog, Mlx5Entry
 from healthagent.policy.settings import Policy

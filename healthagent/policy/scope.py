@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from healthagent.model import Action, Finding
+from healthagent.policy.findings import FINDINGS
 
 GPU = "gpu"
 NODE = "node"
@@ -74,7 +75,7 @@ class ScopePolicy:
 
     def scope_of(self, finding: Finding) -> str:
         """``gpu`` only for a finding that names one GPU and whose row says ``gpu``."""
-        if not (finding.pci_bus_id or finding.uuid) or finding.efa_device:
+        if not (finding.pci_bus_id or finding.uuid) or finding.fabric_device:
             return NODE
         return self.row(finding.code, finding.action)[0].scope
 
@@ -112,8 +113,6 @@ def parse_scope(raw: Any, error: Callable[[str], Exception]) -> ScopePolicy:
             raise error(f"scope.actions.{name}: {exc}") from None
         actions[action.value] = _row("actions", action.value, value, _DEFAULT_ACTIONS.get(action.value), error)
     codes = dict(_DEFAULT_CODES)
-    from healthagent.policy.findings import FINDINGS
-
     for name, value in _mapping(raw, "codes", error).items():
         if str(name) not in FINDINGS:
             raise error(f"scope.codes.{name}: not a finding code; see docs/findings.md for the codes")

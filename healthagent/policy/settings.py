@@ -35,18 +35,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from healthagent.config import read_yaml, shown
+from healthagent.config import read_yaml
 from healthagent.model import Action
 from healthagent.policy.debounce import ALIASES, Rule, alias_default
 from healthagent.policy.debounce_file import Rules, built_in_rules, parse_rules
 from healthagent.policy.findings import DOCS, FINDING_CODES
 from healthagent.policy.mlx5_catalog import event_ids
+from healthagent.policy.policy_error import PolicyError
+from healthagent.policy.policy_error import shown_key as _shown
+from healthagent.policy.policy_error import written_value as _written
 from healthagent.policy.rdma_ports_file import PortExpectation, expectation_for, parse_rdma_ports
 from healthagent.policy.scope import ScopePolicy, parse_scope
-
-
-class PolicyError(Exception):
-    """A bad policy file; ``str()`` is one line naming the key and the fix."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,6 @@ THRESHOLDS: dict[str, Threshold] = {
     "mlx5_repeat_seconds": Threshold(604800, "seconds", "a reboot_node adapter event that comes back on the same adapter after a reboot, within this long of the last one, becomes replace_node (0: never)"),
 }
 
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _NUMBER = re.compile(r"[0-9]{1,64}")  # ASCII digits only: str.isdigit() also takes "٩٤" and "²"
 TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings", "mlx5", "rdma_ports", "scope")
 # The driver's XID and SXid fields: the kernel-log parser reads at most nine digits (a longer
@@ -137,20 +135,6 @@ class Policy:
     def rule(self, code: str) -> Rule:
         """The effective rule of a finding code: the built-in table with the file's entries."""
         return self.rules.rule(code)
-
-
-def _shown(key: Any) -> str:
-    """A key as an error message names it: as written when it is a plain name, else quoted and
-    bounded (``config.shown``), so a key holding a newline or other control characters cannot
-    break the one-line message."""
-    text = key if isinstance(key, str) else shown(key)
-    return text if _PLAIN_KEY.fullmatch(text) else shown(text)
-
-
-def _written(value: Any) -> str:
-    """A value as an error message shows it: quoted as written, at most 40 characters, never
-    rendered whole (``config.shown``)."""
-    return shown(value, 40)
 
 
 def _actions(section: str, raw: Any, what: str) -> Mapping[int, Action]:

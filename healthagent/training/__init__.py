@@ -48,6 +48,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _AGENT_SIDE:
+        # deferred: ranks import this package; the intake (prometheus_client) loads only agent-side
         from healthagent.training import intake as training_intake
 
         return getattr(training_intake, name)

@@ -184,6 +184,7 @@ def install_elastic_hooks(reporter: TrainingReporter | None = None, *, job: str 
     ``torchelastic`` group (older torch without the event-log handler).
     """
     try:
+        # deferred: torch is optional (only a torchrun process has it); without it the hooks stay off
         from torch.distributed.elastic import events
         from torch.distributed.elastic.events import handlers
     except Exception:
@@ -197,6 +198,7 @@ def install_elastic_hooks(reporter: TrainingReporter | None = None, *, job: str 
                 existing.handlers = [handler]
         os.environ.setdefault("PET_EVENT_LOG_HANDLER", HANDLER_KEY)
         if metrics:
+            # deferred: torch is optional (only a torchrun process has it); without it the hooks stay off
             from torch.distributed.elastic import metrics as elastic_metrics
 
             elastic_metrics.configure(ElasticMetricHandler(handler.reporter, job=job), METRIC_GROUP)

@@ -17,6 +17,7 @@ from healthagent.training.elastic_hooks import install_elastic_hooks
 def ranks_per_node(argv: list[str]) -> int | None:
     """``--nproc-per-node`` as torchrun resolves it (``gpu``, ``auto``, ``PET_*``); None if unknown."""
     try:
+        # deferred: torch is optional; without it the rank count is unknown (None)
         from torch.distributed.run import config_from_args, parse_args
 
         config, _, _ = config_from_args(parse_args(argv))
@@ -28,6 +29,7 @@ def ranks_per_node(argv: list[str]) -> int | None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        # deferred: torch is optional; without it this command exits with one line saying so
         from torch.distributed.run import main as torchrun_main
     except ImportError:
         raise SystemExit("healthagent.training.torchrun needs PyTorch in this environment "

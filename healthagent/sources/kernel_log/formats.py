@@ -32,6 +32,7 @@ program's message can forge whole lines of it, and a line-based reader cannot te
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -157,8 +158,6 @@ def journal_json_kernel(line: str) -> tuple[str, float | None] | str:
     """A ``journalctl -o json`` line: (its message, its wall time or None) when the journal says
     the kernel wrote it, else why not (module docstring). Raises ValueError for a line that is not
     one JSON object."""
-    import json
-
     entry = json.loads(line)
     if not isinstance(entry, dict):
         raise ValueError("not a JSON object")
