@@ -28,6 +28,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import signal
+import sys
 from pathlib import Path
 
 from bench.common import machine, table
@@ -109,6 +111,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops etcd and the API server
     print(machine(), flush=True)
     setup, results = run(args.preset, args.steady, restart=not args.no_restart)
     report(setup, results)

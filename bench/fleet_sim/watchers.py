@@ -47,8 +47,8 @@ class PassiveWatches:
         self._ssl.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
     def start(self) -> None:
         self._thread.start()
-        for name in self._names:
-            asyncio.run_coroutine_threadsafe(self._watch(name), self._loop)
+        # held here: the event loop keeps only weak references to its tasks
+        self._futures = [asyncio.run_coroutine_threadsafe(self._watch(name), self._loop) for name in self._names]
 
     def stop(self) -> None:
         async def cancel_all() -> None:
