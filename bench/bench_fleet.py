@@ -31,6 +31,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 from bench.common import machine, table
 from bench.fleet_sim.scenarios import PRESETS, Result, Sim
@@ -39,7 +40,9 @@ from tests.support.envtest import ControlPlane, find_assets, missing_reason
 BYTES_PER_DECISION_BOUND = 20_000
 
 
-def run(preset_name: str, steady: float | None = None, restart: bool = True) -> tuple[dict, list[Result]]:
+def run(preset_name: str, steady: float | None = None, restart: bool = True,
+        progress: Callable[[Result], None] = lambda result: None) -> tuple[dict, list[Result]]:
+    """Every scenario of the preset in order; ``progress`` sees each result as it comes."""
     assets = find_assets()
     if assets is None:
         raise SystemExit(missing_reason())
@@ -48,16 +51,20 @@ def run(preset_name: str, steady: float | None = None, restart: bool = True) -> 
         preset = dataclasses.replace(preset, steady_seconds=steady)
     with ControlPlane(assets) as plane:
         with Sim(plane, preset) as sim:
-            results = [sim.steady(preset.steady_seconds),
-                       sim.burst(f"{preset.faults} faults in {preset.burst_seconds:.0f} s", preset.faults,
-                                 preset.burst_seconds),
-                       sim.clear(f"operator clears {preset.faults} nodes"),
-                       sim.burst(f"{preset.faults} faults in 1 s", preset.faults, 1.0),
-                       sim.clear("operator clears them again")]
+            steps = [lambda: sim.steady(preset.steady_seconds),
+                     lambda: sim.burst(f"{preset.faults} faults in {preset.burst_seconds:.0f} s", preset.faults,
+                                       preset.burst_seconds),
+                     lambda: sim.clear(f"operator clears {preset.faults} nodes"),
+                     lambda: sim.burst(f"{preset.faults} faults in 1 s", preset.faults, 1.0),
+                     lambda: sim.clear("operator clears them again")]
             if restart:
-                results.append(sim.burst(f"{preset.faults} faults in {preset.restart_burst_seconds:.0f} s, "
-                                         "API server restarted in the middle", preset.faults,
-                                         preset.restart_burst_seconds, restart=True))
+                steps.append(lambda: sim.burst(f"{preset.faults} faults in {preset.restart_burst_seconds:.0f} s, "
+                                               "API server restarted in the middle", preset.faults,
+                                               preset.restart_burst_seconds, restart=True))
+            results = []
+            for step in steps:
+                results.append(step())
+                progress(results[-1])
             setup = dict(sim.setup, agent_errors=sim.fleet.errors(), counter_rounds=sim.counter.rounds,
                          passive_watch_opens=sim.passive.figures.opened, passive_events=sim.passive.figures.events)
     return {"preset": dataclasses.asdict(preset), **setup}, results
@@ -113,7 +120,9 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops etcd and the API server
     print(machine(), flush=True)
-    setup, results = run(args.preset, args.steady, restart=not args.no_restart)
+    setup, results = run(args.preset, args.steady, restart=not args.no_restart,
+                         progress=lambda r: print(f"done: {r.name}: tainted {r.tainted}/{r.faults}, cleared "
+                                                  f"{r.cleared}, most NoExecute {r.most_noexecute}", flush=True))
     report(setup, results)
     if args.json:
         args.json.write_text(json.dumps({"setup": setup, "results": [
