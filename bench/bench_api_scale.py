@@ -338,12 +338,12 @@ def one_run(plane: ControlPlane, fleet: list[str], bodies: dict[str, dict], args
 
 
 def count_cost(plane: ControlPlane) -> float:
-    """Bytes of the shared GPU node count's one LIST (a Table without the objects)."""
+    """Bytes of the budget counter's one count (a paged Table without the objects)."""
+    from healthagent.budget_counter import BudgetCounter
     from healthagent.effects.backend import ApiBackend
-    from healthagent.effects.budget_leases import LeaseStore
 
     before = scrape(plane)
-    LeaseStore(ApiBackend(plane.api_client(), "bench"), NAMESPACE).count_nodes(GPU_SELECTOR)
+    BudgetCounter(ApiBackend(plane.api_client(), ""), NAMESPACE, GPU_SELECTOR).round(time.time())
     return sum(v for (metric, verb, resource), v in delta(scrape(plane), before).items()
                if metric == "bytes" and verb == "LIST" and resource == "nodes")
 

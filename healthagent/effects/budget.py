@@ -34,16 +34,17 @@ write fails with a 409; a holder whose rewrite fails because its slot was reclai
 NoSchedule, and right before its disruptive step a holder reads its slot once more. So even a
 reclaim racing a slow holder never leaves two disruptive nodes on one slot.
 
-The fraction needs the number of GPU nodes. Counting them on every decision is what made the old
-budget cost a whole node list per agent; here the count is shared: one more Lease,
-``healthagent-budget-count``, holds it (annotation ``healthagent.io/gpu-nodes``, ``renewTime`` =
-when counted) for the whole fleet. One agent re-counts when it is older than
-``COUNT_MAX_AGE_SECONDS`` (claiming the re-count first with a guarded write, so a thousand agents
-that find it old at once count once), using a server-side Table of the selected nodes without
-their objects (a few hundred bytes a node instead of ~10 kB). Until a count exists, the limit is
-the smallest one (1, or ``budget_max_nodes`` when that is 0). Any node can write the shared
-count, so an agent takes a slot past the smallest limit only under a count of its own
-(``BudgetGuard``): an inflated count opens no slot, and a wrong one is re-written.
+The fraction needs the number of GPU nodes, and no decision counts them: counting on each
+decision cost a node list (or a page of one as long as the limit divided by the fraction) per
+agent, O(fleet) bytes exactly when a mass failure makes thousands of agents decide. One more
+Lease per budget, ``healthagent-budget-count``, holds the count (annotation
+``healthagent.io/gpu-nodes``, ``renewTime`` = when counted), and it is written only by the budget
+counter (``healthagent/budget_counter.py``), a one-replica Deployment with its own service
+account: the admission policy ``healthagent-budget-count`` refuses a count write by anyone else,
+so no node's token can raise the limit, and ``healthagent-own-budget-slot`` refuses the agents
+any count. An agent reads the count in the same list as the slots: a decision costs the budget's
+few Leases whatever the fleet's size. Until a count exists the limit is the smallest one (1, or
+``budget_max_nodes`` when that is 0); while the counter is down, the last count stands.
 """
 
 from __future__ import annotations
@@ -66,8 +67,7 @@ SCOPE_ANNOTATION = "healthagent.io/budget-scope-value"  # the label=value it cou
 LEASE_LABELS = {"app.kubernetes.io/name": "healthagent", "app.kubernetes.io/part-of": "healthagent"}
 
 SLOT_GRACE_SECONDS = 45.0  # a slot this young without its holder's taint is a decision in flight
-COUNT_MAX_AGE_SECONDS = 600.0  # the fleet re-counts its GPU nodes when the count is this old
-COUNT_CLAIM_SECONDS = 60.0  # a re-count claimed this recently is someone else's to finish
+COUNT_MAX_AGE_SECONDS = 600.0  # the counter re-writes an unchanged count this often (liveness for people)
 RECHECK_JITTER = 0.5  # the next look comes after interval * [1 - j, 1 + j] seconds
 MAX_RECHECK_STRETCH = 4  # a node held again and again looks every base * 1, 2, 4, 4, ... seconds
 CLOCK_SKEW_SECONDS = 60.0  # a Lease time this far in the future is not believed
@@ -168,9 +168,10 @@ def slot_index(name: str, scope: Scope = FLEET) -> int | None:
 
 def parse_gpu_nodes(text: object) -> int | None:
     """The count Lease's number of GPU nodes, or None when it is not one a count can be: ASCII
-    digits only, at most ``MAX_GPU_NODES``. Any node holding the Lease's RBAC can write it, so a
-    value that does not parse or is implausible is no count (the smallest limit, and a re-count),
-    never an exception and never a limit larger than a real fleet's."""
+    digits only, at most ``MAX_GPU_NODES``. Only the counter may write it, and the admission policy
+    checks the number; still, a value that does not parse or is implausible (a Lease written
+    before the policy, or by hand) is no count (the smallest limit), never an exception and never
+    a limit larger than a real fleet's."""
     if not isinstance(text, str) or not _COUNT_DIGITS.fullmatch(text):
         return None
     nodes = int(text)
@@ -194,22 +195,12 @@ class Slot:
 
 @dataclass(frozen=True)
 class GpuCount:
-    """The fleet's shared count of GPU nodes (the count Lease), as read."""
+    """A budget's count of GPU nodes (its count Lease, written by the counter), as read."""
 
     nodes: int | None  # None: never counted, or by another selector
     counted_at: float | None
-    claimed_at: float | None  # a re-count in progress since (acquireTime newer than renewTime)
     version: str
     lease: Mapping[str, Any]
-
-    def due(self, now: float) -> bool:
-        """Should this agent re-count (old or missing, and nobody is at it)? A count or a claim
-        stamped in the future (past ``CLOCK_SKEW_SECONDS``) is neither fresh nor busy: a clock
-        far ahead, or a forged ``renewTime``, must not keep the count from ever being taken again."""
-        fresh = self.nodes is not None and self.counted_at is not None and \
-            -CLOCK_SKEW_SECONDS <= now - self.counted_at < COUNT_MAX_AGE_SECONDS
-        busy = self.claimed_at is not None and -CLOCK_SKEW_SECONDS <= now - self.claimed_at < COUNT_CLAIM_SECONDS
-        return not fresh and not busy
 
 
 @dataclass(frozen=True)
@@ -267,20 +258,18 @@ def read_view(items: Iterable[Mapping], selector: str, fraction: float, max_node
             slots.append(Slot(index, str(spec.get("holderIdentity") or ""),
                               renewed if renewed is not None else acquired, version, lease))
         elif name == scope.count_name:
-            count = _read_count(lease, selector, renewed, acquired, version)
+            count = _read_count(lease, selector, renewed, version)
     slots.sort(key=lambda s: s.index)
     # no count yet: the limit of an empty cluster, the smallest there is
     limit = budget_limit(count.nodes if count is not None and count.nodes else 0, fraction, max_nodes)
     return BudgetView(tuple(slots), count, limit)
 
 
-def _read_count(lease: Mapping, selector: str, renewed: float | None, acquired: float | None,
-                version: str) -> GpuCount:
+def _read_count(lease: Mapping, selector: str, renewed: float | None, version: str) -> GpuCount:
     annotations = (lease.get("metadata") or {}).get("annotations") or {}
     nodes = parse_gpu_nodes(annotations.get(GPU_NODES_ANNOTATION)) \
         if annotations.get(SELECTOR_ANNOTATION) == selector else None
-    claimed = acquired if acquired is not None and (renewed is None or acquired > renewed) else None
-    return GpuCount(nodes, renewed if nodes is not None else None, claimed, version, lease)
+    return GpuCount(nodes, renewed if nodes is not None else None, version, lease)
 
 
 # -- the Lease bodies the agent writes -------------------------------------------------------------
@@ -311,24 +300,6 @@ def released_lease(lease: Mapping) -> dict:
     """``lease`` with no holder (its version kept)."""
     body = _copy(lease)
     body["spec"] = {}
-    return body
-
-
-def claimed_count(lease: Mapping, holder: str, now: float) -> dict:
-    """The count Lease claimed for a re-count: ``holder`` and ``acquireTime`` now; the old count
-    and its ``renewTime`` stay readable meanwhile."""
-    body = _copy(lease)
-    spec = body["spec"]
-    spec["holderIdentity"] = holder
-    spec["acquireTime"] = micro_time(now)
-    renewed = parse_rfc3339(spec.get("renewTime"))
-    if renewed is None or renewed - now > CLOCK_SKEW_SECONDS:
-        spec.pop("renewTime", None)  # a time no one can believe (or the server would refuse) goes
-    else:
-        spec["renewTime"] = micro_time(renewed)
-    annotations = body["metadata"].get("annotations")
-    if isinstance(annotations, dict) and parse_gpu_nodes(annotations.get(GPU_NODES_ANNOTATION)) is None:
-        annotations.pop(GPU_NODES_ANNOTATION, None)  # no count: the admission policy refuses to keep it
     return body
 
 

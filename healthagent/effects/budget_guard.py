@@ -14,10 +14,13 @@ the calls. This module runs the protocol for one node and keeps its timing:
   was reclaimed meanwhile, and the node goes back to held NoSchedule.
 - ``settle`` (after every reconcile that left the node as planned): give the slot back when the
   plan wants none any more (no agent taint: healed, cleared; or no disruptive step left), finish
-  a re-write that failed, and re-count the fleet's GPU nodes when the shared count is old. Nothing
-  of this asks the API server in a steady state.
+  a re-write that failed. Nothing of this asks the API server in a steady state.
 - ``startup``: which slot this node holds (a restart forgets it), a slot for a NoExecute already
-  on the node without one (its Lease deleted by hand) if one is free, and the shared count.
+  on the node without one (its Lease deleted by hand) if one is free.
+
+The limit comes from the count Lease that only the budget counter writes (``budget_counter.py``);
+the agent reads it in the same list as the slots and never counts nodes itself, so a decision
+costs the same at 100 nodes and at 10,000.
 
 In dry-run there is no cluster view: every question allows and nothing is written.
 """
@@ -25,21 +28,15 @@ In dry-run there is no cluster view: every question allows and nothing is writte
 from __future__ import annotations
 
 import logging
-import math
 import random
-from dataclasses import replace
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
 from healthagent.effects.backend import AlreadyExists, ApiError, ApiRejected, ApiUnavailable, Conflict
 from healthagent.effects.budget import (
-    COUNT_MAX_AGE_SECONDS,
     BudgetView,
     Scope,
     Slot,
-    budget_limit,
-    claimed_count,
-    counted,
     held_lease,
     new_lease,
     read_view,
@@ -89,13 +86,11 @@ class BudgetGuard:
         self._memo: Budget | None = None  # this reconcile's answer
         self.recheck_at: float | None = None  # held (or a NoExecute without a slot): no look before
         self._holds = 0  # looks in a row that found no slot
-        self._count_due = False  # the shared count is old: re-count after this reconcile
         self._renew_due = False  # a slot taken (or its re-write failed): re-write it once the node write lands
         self._upkeep_at: float | None = None  # a failed release/re-write/count: not before this
         self._reclaim = Reclaimer(node_name, evidence, grace_seconds, rng)
         self._watch = SlotWatch(leases if watch else None, node_name=node_name, tally=tally, rng=random.Random(),
                                 on_freed=wake)
-        self._verified: tuple[int, float] | None = None  # (GPU nodes, when): this agent's own count
         self._last_view: BudgetView | None = None
         self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
         self.note = ""  # the last look in words, for the log and the Event
@@ -117,8 +112,7 @@ class BudgetGuard:
 
     def startup(self, node: dict, now: float) -> None:
         """Which slot this node holds; a free one for a NoExecute of the agent's already on the
-        node without one (it counts); then ``settle`` (a slot without a taint goes back, the
-        shared count). Never raises an API error: a failed look is counted and the first question
+        node without one (it counts); then ``settle`` (a slot without a taint goes back). Never raises an API error: a failed look is counted and the first question
         looks again."""
         if self._store is None:
             return
@@ -215,7 +209,7 @@ class BudgetGuard:
     def settle(self, node: dict, now: float, wants_slot: bool) -> bool:
         """After a reconcile that left the node as planned: give the slot back when the plan wants
         none (``NodePlan.wants_slot``: no agent taint, or no disruptive step left), finish a
-        re-write that failed, and re-count when due. A steady state makes no request. True when
+        re-write that failed. A steady state makes no request. True when
         that re-write finds the slot reclaimed: the node goes back to held NoSchedule, as with
         ``slot_lost``."""
         if self._store is None:
@@ -225,7 +219,7 @@ class BudgetGuard:
             self._watch.stop(0.0)  # no slot to wait for
         renew = keep and self._renew_due and self.slot is not None
         release = not keep and self.slot is not None
-        if not (renew or release or self._count_due) or (self._upkeep_at is not None and now < self._upkeep_at):
+        if not (renew or release) or (self._upkeep_at is not None and now < self._upkeep_at):
             return False
         try:
             if renew:
@@ -234,9 +228,6 @@ class BudgetGuard:
             elif release:
                 assert self.slot is not None
                 self._release(self.slot)
-            if self._count_due:
-                self._count_due = False
-                self._recount(now)
         except ApiError as exc:
             self._upkeep_at = now + self._delay()
             self._failure(exc, f"cannot keep the budget's Leases in step with the node ({exc})")
@@ -277,7 +268,6 @@ class BudgetGuard:
         store = self._require_store()
         view = read_view(store.list(consistent, self.scope.lease_selector), self._counted, self._fraction,
                          self._max_nodes, self.scope)
-        self._count_due = self._count_due or view.count is None or view.count.due(self._wall(now))
         self._reclaim.note(view, now)
         self._last_view = view
         return view
@@ -295,7 +285,6 @@ class BudgetGuard:
             mine = view.held_by(self._node)
             if mine:
                 return mine[0]
-            view = self._trusted(view, now)
             if view.allows:
                 reclaim = None
                 index = self._rng.choice(view.free_indexes())
@@ -327,49 +316,6 @@ class BudgetGuard:
             return _slot(written, self.scope)
         self.note = view.describe()
         return None
-
-    def _trusted(self, view: BudgetView, now: float) -> BudgetView:
-        """``view`` with a limit this agent can stand behind. The shared count is any node's to
-        write, so a limit above the smallest one (``budget_limit`` of no count) is used only as
-        far as this agent has seen enough GPU nodes for it itself: one page of the node Table
-        with as many rows as twice the holders (plus one) need at ``budget_max_fraction`` (40
-        rows for the second holder at 10%, 200 for the tenth), whatever the fleet's size; twice,
-        so agents racing for the next slots still spread over several. The page is read again
-        when a later take needs more, or after ``COUNT_MAX_AGE_SECONDS``. No look is made while
-        the take stays among the smallest limit's slots, nor when the budget is full by the
-        shared count's own limit (a lower count is the safe direction). A page that ends short
-        gives the exact count; a shared count that differs from it is re-written (a forged or
-        stale count heals at the first take that relies on it), counted and logged."""
-        floor = budget_limit(0, self._fraction, self._max_nodes)
-        if view.limit <= floor:
-            return view
-        if len(view.held) < floor:
-            return replace(view, limit=floor)  # no count needed for the first slots
-        if not view.allows:
-            return view  # full even by the shared count: nothing rides on it
-        wanted = math.ceil(min(view.limit, 2 * (len(view.holders) + 1)) / self._fraction - 1e-9)
-        seen = self._verified
-        if seen is None or not 0 <= now - seen[1] < COUNT_MAX_AGE_SECONDS or seen[0] < wanted:
-            rows, complete = self._require_store().nodes_at_least(self._counted, wanted)
-            seen = self._verified = (rows if complete else wanted, now)
-            if complete and view.count is not None and view.count.nodes != rows:
-                self._correct_count(view, rows, now)
-        return replace(view, limit=min(view.limit, budget_limit(seen[0], self._fraction, self._max_nodes)))
-
-    def _correct_count(self, view: BudgetView, nodes: int, now: float) -> None:
-        """Re-write the shared count with this agent's own (best effort: another writer's 409 or
-        a refusal leaves it to the next re-count)."""
-        assert view.count is not None
-        log.warning("effects node=%s budget=count_disbelieved shared=%s counted=%d: the shared count "
-                    "differs from the API server's node list; re-writing it", self._node, view.count.nodes, nodes)
-        self._tally.count("budget_count_disbelieved",
-                          f"node={self._node} shared count {view.count.nodes}, the API server lists {nodes}")
-        wall = self._wall(now)
-        try:
-            self._require_store().replace(
-                counted(claimed_count(view.count.lease, self._node, wall), nodes, self._counted, wall))
-        except ApiError as exc:
-            log.info("effects node=%s budget=count_not_corrected: %s", self._node, exc)
 
     def _rolled_back(self, now: float) -> bool:
         log.warning("effects node=%s budget=rollback: its slot was reclaimed before its taint landed; "
@@ -439,28 +385,6 @@ class BudgetGuard:
             log.warning("effects node=%s budget=over: the node carries the agent's NoExecute but no slot is "
                         "free (%s); the taint stays", self._node, self.note)
         self._answer(slot, now)
-
-    def _recount(self, now: float) -> None:
-        """Re-count the fleet's GPU nodes into the shared count Lease: claim the re-count with a
-        guarded write first (whoever loses leaves it to the winner), then count and record."""
-        store = self._require_store()
-        view = read_view(store.list(True, self.scope.lease_selector), self._counted, self._fraction,
-                         self._max_nodes, self.scope)
-        count = view.count
-        wall = self._wall(now)
-        if count is not None and not count.due(wall):
-            return
-        base = count.lease if count is not None else new_lease(self.scope.count_name, store.namespace, "count",
-                                                                 self.scope)
-        try:
-            claim = claimed_count(base, self._node, wall)
-            claimed = store.replace(claim) if count is not None else store.create(claim)
-        except (Conflict, AlreadyExists):
-            return  # another agent re-counts
-        nodes = store.count_nodes(self._counted)
-        self._verified = (nodes, now)  # this agent's own count, too
-        store.replace(counted(claimed, nodes, self._counted, wall))
-        log.info("effects node=%s budget=counted gpu_nodes=%d selector=%s", self._node, nodes, self._counted)
 
     # -- small parts -----------------------------------------------------------------------------
 

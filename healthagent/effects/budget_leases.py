@@ -1,8 +1,8 @@
-"""The budget's calls to the API server: its Leases, one holder's node, the GPU node count.
+"""The budget's calls to the API server: its Leases and one holder's node.
 
 The budget (``effects/budget.py``) lives in ``coordination.k8s.io/v1`` Leases in the agent's own
-namespace, labelled ``healthagent.io/budget``. The calls here are all it needs, and their cost does
-not grow with the cluster except for the count, which the fleet shares:
+namespace, labelled ``healthagent.io/budget``. The calls here are all an agent needs, and their cost
+does not grow with the cluster (the GPU node count is the budget counter's, ``budget_counter.py``):
 
   list      the budget's Leases (slots and the count: a dozen small objects at a limit of 10),
             from the API server's watch cache (``resourceVersion=0``); after a lost race, a
@@ -13,11 +13,6 @@ not grow with the cluster except for the count, which the fleet shares:
   get       one Lease after a 409; one holder's node before reclaiming its slot
   watch     the budget's Leases, only while this node is held (``effects/budget_watch.py``): a
             slot freed wakes it at once; from the watch cache (``resourceVersion=0``)
-  count     ``LIST nodes`` as a server-side Table without the objects (``includeObject=None``):
-            a row of a few hundred bytes a node, not the ~10 kB Node; one agent of the fleet,
-            at most every ten minutes
-  at least  one page of that Table, as many rows as a limit needs (``limit=``): an agent's own
-            check of the shared count before it takes a slot past the smallest limit
 
 Errors are classified as for the node (``effects/backend.py``): ``Conflict``, ``AlreadyExists``,
 ``ApiUnavailable``, ``ApiRejected``.
@@ -26,14 +21,12 @@ Errors are classified as for the node (``effects/backend.py``): ``Conflict``, ``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from healthagent.effects.backend import WATCH_READ_SLACK_SECONDS, ApiBackend, ApiRejected, ApiUnavailable, WatchStream
 from healthagent.effects.budget import BUDGET_LABEL
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 DEFAULT_NAMESPACE = "healthagent"
-TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io"
 
 
 def agent_namespace(configured: str, account_file: Path = SERVICE_ACCOUNT_NAMESPACE) -> str:
@@ -100,44 +93,3 @@ class LeaseStore:
             if exc.status == 404:
                 return None
             raise
-
-    def count_nodes(self, label_selector: str) -> int:
-        """How many nodes match ``label_selector``: the rows of a server-side Table, served from
-        the watch cache, without the objects."""
-        rows, _ = self._node_table(label_selector, [("resourceVersion", "0")])
-        return rows
-
-    def nodes_at_least(self, label_selector: str, wanted: int) -> tuple[int, bool]:
-        """Are there at least ``wanted`` nodes matching ``label_selector``? One page of at most
-        ``wanted`` rows, so the answer costs what the question needs, not the fleet: (rows,
-        ``True`` when that is every matching node, the exact count). A paged list is a
-        consistent read (the watch cache would ignore ``limit`` at ``resourceVersion=0``)."""
-        return self._node_table(label_selector, [("limit", str(max(1, wanted)))])
-
-    def _node_table(self, label_selector: str, params: list[tuple[str, str]]) -> tuple[int, bool]:
-        """(rows, complete) of a server-side Table of the matching nodes without their objects.
-        The typed client has no ``includeObject``, so the request is built with the client's own
-        serializer."""
-        api = self.core.api_client
-
-        def list_node_table(_preload_content: bool = False, _request_timeout: Any = None) -> Any:
-            # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
-            from kubernetes.client.exceptions import ApiException
-
-            method, url, headers, _, _ = api.param_serialize(
-                method="GET", resource_path="/api/v1/nodes",
-                query_params=[("labelSelector", label_selector), *params, ("includeObject", "None")],
-                header_params={"Accept": TABLE}, auth_settings=["BearerToken"])
-            response = api.call_api(method, url, header_params=headers, _request_timeout=_request_timeout)
-            if not 200 <= response.status <= 299:
-                response.read()
-                raise ApiException.from_response(http_resp=response, body=None, data=None)
-            return response.response
-
-        reply = self._backend._call(list_node_table)
-        rows = reply.get("rows") if isinstance(reply, dict) and reply.get("kind") == "Table" else None
-        if not isinstance(rows, list):
-            raise ApiUnavailable("the node table reply has no rows")
-        meta = reply.get("metadata")
-        more = isinstance(meta, dict) and bool(meta.get("continue"))
-        return len(rows), not more

@@ -12,10 +12,6 @@ from typing import Any
 import pytest
 
 from healthagent.effects.budget import (
-    COUNT_LEASE,
-    GPU_NODES_ANNOTATION,
-    claimed_count,
-    counted,
     held_lease,
     new_lease,
     released_lease,
@@ -74,18 +70,6 @@ def write_lease(evaluator: PolicyEvaluator, old: dict[str, Any] | None, new: dic
                            operation="CREATE" if old is None else "UPDATE", group="coordination.k8s.io")
 
 
-def _count(holder: str) -> dict[str, Any]:
-    lease = new_lease(COUNT_LEASE, "healthagent", "count")
-    return claimed_count(lease, holder, T0) if holder else lease
-
-
-def _counted_as(holder: str, nodes: str) -> dict[str, Any]:
-    """The count Lease as ``holder`` records it, with ``nodes`` as its count (any text)."""
-    lease = counted(claimed_count(_count("gpu-2"), holder, T0), 0, "nvidia.com/gpu.present=true", T0)
-    lease["metadata"]["annotations"][GPU_NODES_ANNOTATION] = nodes
-    return lease
-
-
 LEASES_ALLOWED = {
     "create a slot in its own name": lambda: (None, held_lease(new_lease(slot_name(0), "healthagent", "slot"),
                                                                "gpu-1", T0, acquired=True)),
@@ -94,11 +78,6 @@ LEASES_ALLOWED = {
                                                                                acquired=True)),
     "re-write its own slot": lambda: (slot("gpu-1"), held_lease(slot("gpu-1"), "gpu-1", T0, acquired=False)),
     "give back its own slot": lambda: (slot("gpu-1"), released_lease(slot("gpu-1"))),
-    "create the count in its own name": lambda: (None, _count("gpu-1")),
-    "claim the count from another node": lambda: (_count("gpu-2"), claimed_count(_count("gpu-2"), "gpu-1", T0)),
-    "record a count of 0": lambda: (_count("gpu-1"), _counted_as("gpu-1", "0")),
-    "record a count of 100000": lambda: (_count("gpu-1"), _counted_as("gpu-1", "100000")),
-    "record a count of 2048": lambda: (_count("gpu-1"), _counted_as("gpu-1", "2048")),
 }
 
 
@@ -131,10 +110,6 @@ LEASES_DENIED = {
         HOLD_ONLY + "not give back healthagent-budget-slot-3 held by nobody"),
     "create a free slot": (None, new_lease(slot_name(4), "healthagent", "slot"),
                            HOLD_ONLY + "not give back healthagent-budget-slot-4 held by nobody"),
-    **{f"record a count of {nodes!r}": (
-        _count("gpu-2"), _counted_as("gpu-1", nodes),
-        "healthagent may record a GPU node count only as a whole number from 0 to 100000 (healthagent.io/gpu-nodes)")
-       for nodes in ("\u00b2", "9" * 401, "100001", "-1", "007", " 12", "")},
     "a Lease that is not the budget's (a node's heartbeat)": (
         None, named(held_lease(new_lease("gpu-2", "healthagent", "slot"), "gpu-1", T0, acquired=True), "gpu-2"),
         "healthagent may write only the budget Leases healthagent-budget-*, not Lease gpu-2"),

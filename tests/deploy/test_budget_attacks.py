@@ -174,39 +174,34 @@ def test_a_slot_leaked_by_a_deleted_node_with_a_clock_a_day_ahead_is_taken_back(
     assert taken is not None and taken - T0 <= 60, taken
 
 
-def test_an_inflated_count_opens_no_second_slot(world, agent_a):  # noqa: F811
-    """B takes the one slot and its own NoExecute (its token may: B takes itself out, and that is
-    the limit), then writes 100000 GPU nodes, a limit of 10,000, fresh. A, which has not counted
-    itself since, counts the nodes before it takes a slot past the smallest limit, is held at
-    NoSchedule, and puts the true count back."""
+def test_a_nodes_token_cannot_raise_the_limit(world, agent_a):  # noqa: F811
+    """The counter (its own service account) counts A and B: a limit of one. B takes the slot and
+    its own NoExecute (its token may: B takes itself out, and that is the limit), then tries to
+    raise the limit with its token: rewrite the count to 100000 in its own name, the counter's
+    or nobody's. Each is refused by the count policy; the count stays the counter's, and A stays
+    held at NoSchedule."""
+    from kubernetes.client.exceptions import ApiException
+
+    from healthagent.budget_counter import BudgetCounter
+    from healthagent.effects.backend import ApiBackend
+
+    selector = f"kubernetes.io/hostname in ({world.a},{world.b})"
+    BudgetCounter(ApiBackend(world.counter.core.api_client, ""), NAMESPACE, selector).round(T0)
+    assert _count(world) == "2"
     with_taints(world, world.b, lambda taints: [*taints, {**OWN_TAINT, "effect": "NoExecute"}], apis=world.agent_b)
     take_as_b(world, 0, T0)
     lease = _json(world, COUNT_LEASE)
     assert lease is not None
-    forged = counted(lease, 2, lease["metadata"]["annotations"]["healthagent.io/node-selector"], T0)
-    forged["metadata"]["annotations"]["healthagent.io/gpu-nodes"] = "100000"
-    forged["spec"]["holderIdentity"] = world.b
-    world.agent_b.leases.replace_namespaced_lease(COUNT_LEASE, NAMESPACE, forged)
-    agent_a.budget._verified = None  # an agent that started after the forgery: it never counted
+    for holder in (world.b, "healthagent-budget-counter", ""):
+        forged = counted(lease, 100000, selector, T0)
+        forged["spec"]["holderIdentity"] = holder
+        forged["metadata"].pop("managedFields", None)
+        with pytest.raises(ApiException) as refused:
+            world.agent_b.leases.replace_namespaced_lease(COUNT_LEASE, NAMESPACE, forged)
+        assert refused.value.status == 403, refused.value
+    assert _count(world) == "2"
     assert settle(agent_a, T0, T0 + 300, world) is None  # never NoExecute: B is the limit
     assert agent_a.budget.slot is None and effect_of(world) == "NoSchedule"
-    assert agent_a.errors.get("budget_count_disbelieved") == 1
-    assert (_json(world, COUNT_LEASE) or {})["metadata"]["annotations"]["healthagent.io/gpu-nodes"] == "2"
-
-
-def test_a_count_poisoned_before_admission_heals_and_never_stops_the_taint(world, agent_a):  # noqa: F811
-    """A count Lease that no agent could write now (written before the policy, or by an
-    administrator) does not stop A's taint, and A's re-count replaces it."""
-    lease = _json(world, COUNT_LEASE) or new_lease(COUNT_LEASE, NAMESPACE, "count")
-    lease["metadata"].setdefault("annotations", {})["healthagent.io/gpu-nodes"] = "\u00b2"
-    lease["metadata"].pop("managedFields", None)
-    if "resourceVersion" in lease["metadata"]:
-        world.admin.leases.replace_namespaced_lease(COUNT_LEASE, NAMESPACE, lease)
-    else:
-        world.admin.leases.create_namespaced_lease(NAMESPACE, lease)
-    agent_a.reconcile(XID95, T0, "boot-1")
-    assert effect_of(world) == "NoSchedule" and agent_a.errors == {}
-    assert (_json(world, COUNT_LEASE) or {})["metadata"]["annotations"]["healthagent.io/gpu-nodes"] == "2"
 
 
 POOL = "example.com/pool"
@@ -255,3 +250,8 @@ def test_hyperpods_label_written_by_a_node_without_hyperpod_neither_keeps_a_slot
     taken = slot_taken(agent_a, T0 + 5, T0 + 400)
     assert taken is not None and 120 + SLOT_GRACE_SECONDS <= taken - T0 <= 120 + 60 + 30, taken
     assert agent_a.budget.slot.index == 0
+
+
+def _count(world: World) -> str | None:  # noqa: F811
+    return ((_json(world, COUNT_LEASE) or {}).get("metadata") or {}).get("annotations", {}).get(
+        "healthagent.io/gpu-nodes")

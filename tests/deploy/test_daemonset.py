@@ -215,8 +215,8 @@ def test_hyperpod_budget_counts_the_nodes_the_daemonset_runs_on(rendered):
 
 
 def test_overlays_differ_only_where_documented(rendered):
-    """generic is the base; dry-run changes the kube mode and RBAC; hyperpod adds its label switch,
-    budget selector and node affinity term; eks-node-repair switches the condition vocabulary and
+    """generic is the base and the budget counter; dry-run changes the kube mode and RBAC and has no
+    counter; hyperpod adds its label switch, budget selector (the counter's too) and node affinity term; eks-node-repair switches the condition vocabulary and
     the node policy's condition types. Nothing else differs."""
     def comparable(objects, drop_env=(), drop_rbac=False, drop_affinity=False, drop_node_policy=False):
         out = []
@@ -225,12 +225,14 @@ def test_overlays_differ_only_where_documented(rendered):
             if drop_node_policy and obj["kind"] == "ValidatingAdmissionPolicy" \
                     and obj["metadata"]["name"] == "healthagent-own-node-only":
                 continue
-            if obj["kind"] == "DaemonSet":
+            if drop_rbac and obj["metadata"]["name"] == "healthagent-budget-counter":
+                continue  # no budget in a dry run: no counter
+            if obj["kind"] in ("DaemonSet", "Deployment"):
                 spec = obj["spec"]["template"]["spec"]
                 container = spec["containers"][0]
                 container["env"] = sorted((e for e in container["env"] if e["name"] not in drop_env),
                                           key=lambda e: e["name"])
-                if drop_affinity:
+                if drop_affinity and obj["kind"] == "DaemonSet":
                     spec.pop("affinity")
             if drop_rbac and obj["kind"] == "ClusterRole":
                 obj.pop("rules")
@@ -244,7 +246,7 @@ def test_overlays_differ_only_where_documented(rendered):
         generic, drop_env={"HEALTHAGENT_KUBE"}, drop_rbac=True)
     hyperpod_env = {"HEALTHAGENT_HYPERPOD_LABELS", "HEALTHAGENT_BUDGET_NODE_SELECTOR"}
     assert comparable(rendered["hyperpod"], drop_env=hyperpod_env, drop_affinity=True) == comparable(
-        generic, drop_affinity=True)
+        generic, drop_env=hyperpod_env, drop_affinity=True)
     eks = rendered["eks-node-repair"]
     assert comparable(eks, drop_env={"HEALTHAGENT_CONDITION_VOCABULARY"}, drop_node_policy=True) == comparable(
         generic, drop_node_policy=True)

@@ -45,6 +45,7 @@ CLIENT_CALLS = {
 ROLES = {"healthagent-events": ("events.k8s.io", "events"), "healthagent-budget": ("coordination.k8s.io", "leases")}
 VERB_ORDER = ["get", "list", "watch", "create", "update", "patch", "delete"]
 READ_ONLY = {("", "nodes"): ["get", "list"]}
+COUNTER = "healthagent-budget-counter"  # the budget counter's account, roles and bindings
 
 
 def grants(role) -> dict[tuple[str, str], list[str]]:
@@ -160,7 +161,7 @@ def test_dry_run_is_read_only(rendered):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_no_wildcards_and_no_other_roles(rendered, overlay):
     roles = [o for o in rendered[overlay] if o["kind"] in ("Role", "ClusterRole")]
-    assert {r["metadata"]["name"] for r in roles} <= {"healthagent", *ROLES}
+    assert {r["metadata"]["name"] for r in roles} <= {"healthagent", COUNTER, *ROLES}
     for role in roles:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
@@ -174,10 +175,34 @@ def test_bindings_tie_the_roles_to_the_agents_service_account(rendered, overlay)
                 "namespace": account["metadata"]["namespace"]}]
     pod = find(objects, "DaemonSet", "healthagent")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == account["metadata"]["name"]
-    bindings = [o for o in objects if o["kind"] in ("ClusterRoleBinding", "RoleBinding")]
+    bindings = [o for o in objects if o["kind"] in ("ClusterRoleBinding", "RoleBinding")
+                and o["roleRef"]["name"] != COUNTER]
     assert bindings
     for binding in bindings:
         role_kind = "ClusterRole" if binding["kind"] == "ClusterRoleBinding" else "Role"
         role = find(objects, role_kind, binding["roleRef"]["name"])
         assert binding["roleRef"]["kind"] == role_kind and binding["subjects"] == subject
         assert binding["metadata"].get("namespace") == role["metadata"].get("namespace")
+
+
+@pytest.mark.parametrize("overlay", ["generic", "hyperpod", "eks-node-repair"])
+def test_the_budget_counter_may_list_nodes_and_write_leases_in_its_namespace_only(rendered, overlay):
+    """healthagent/budget_counter.py lists the GPU nodes (a Table) and lists, creates and updates
+    the count Leases; its own account, which the agent's pods never run as, holds exactly that."""
+    objects = rendered[overlay]
+    assert grants(find(objects, "ClusterRole", COUNTER)) == {("", "nodes"): ["list"]}
+    role = find(objects, "Role", COUNTER)
+    assert grants(role) == {("coordination.k8s.io", "leases"): ["list", "create", "update"]}
+    account = find(objects, "ServiceAccount", COUNTER)["metadata"]
+    assert role["metadata"]["namespace"] == account["namespace"]
+    subject = [{"kind": "ServiceAccount", "name": COUNTER, "namespace": account["namespace"]}]
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        binding = find(objects, kind, COUNTER)
+        assert binding["subjects"] == subject and binding["roleRef"]["name"] == COUNTER
+    pod = find(objects, "Deployment", COUNTER)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == COUNTER
+    daemonset = find(objects, "DaemonSet", "healthagent")["spec"]["template"]["spec"]["containers"][0]
+    agent_env = {e["name"]: e.get("value") for e in daemonset.get("env", [])}
+    counter_env = {e["name"]: e.get("value") for e in pod["containers"][0].get("env", [])}
+    selector = "HEALTHAGENT_BUDGET_NODE_SELECTOR"
+    assert counter_env[selector] == agent_env.get(selector, "nvidia.com/gpu.present=true")  # one set of nodes

@@ -20,6 +20,7 @@ import yaml
 from healthagent import __version__
 from tests.support.deploy import (
     COMPONENTS,
+    OVERLAY_COMPONENTS,
     compatible_components,
     DEPLOY,
     OVERLAYS,
@@ -51,13 +52,16 @@ BASE_OBJECTS = [
     ("Service", "healthagent"),
     ("ServiceAccount", "healthagent"),
     ("ServiceMonitor", "healthagent"),
+    ("ValidatingAdmissionPolicy", "healthagent-budget-count"),
     ("ValidatingAdmissionPolicy", "healthagent-own-budget-slot"),
     ("ValidatingAdmissionPolicy", "healthagent-own-node-events"),
     ("ValidatingAdmissionPolicy", "healthagent-own-node-only"),
+    ("ValidatingAdmissionPolicyBinding", "healthagent-budget-count"),
     ("ValidatingAdmissionPolicyBinding", "healthagent-own-budget-slot"),
     ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-events"),
     ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-only"),
 ]
+COUNTER_KINDS = ("ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "ServiceAccount")
 EVENT_ROLE = "healthagent-events"  # the one Role (and binding) in "default", where node Events live
 
 
@@ -89,6 +93,8 @@ def test_overlay_renders_the_expected_objects(rendered, overlay):
     objects = rendered[overlay]
     dashboards = [o for o in objects if o["kind"] == "ConfigMap"]
     expected = [k for k in BASE_OBJECTS if overlay != "dry-run" or k[0] not in ("Role", "RoleBinding")]
+    if overlay != "dry-run":  # the budget counter (component budget-counter): no budget in a dry run
+        expected = sorted(expected + [(kind, "healthagent-budget-counter") for kind in COUNTER_KINDS])
     assert [k for k in kinds(objects) if k[0] != "ConfigMap"] == expected
     assert all(o["metadata"]["labels"]["grafana_dashboard"] == "1" for o in dashboards)
 
@@ -132,7 +138,7 @@ def test_every_namespaced_object_is_in_the_healthagent_namespace(rendered):
 def test_image_is_the_package_version_once(kubectl, overlay):
     """docs/install.md's quick start rewrites exactly this string to the operator's registry."""
     text = render_text(DEPLOY / "overlays" / overlay, kubectl)
-    assert text.count(f"image: {IMAGE}\n") == 1
+    assert text.count(f"image: {IMAGE}\n") == (1 if overlay == "dry-run" else 2)  # the agent, the budget counter
 
 
 # -- prometheus-operator objects (no schema in kubernetes-validate) ---------------------------------
@@ -238,4 +244,4 @@ def test_the_example_training_pod_is_valid_kubernetes(version):
 def test_every_component_folder_is_rendered_by_the_tests():
     """A new folder under deploy/components/ is in COMPONENTS, so every render test covers it."""
     folders = {d.name for d in (DEPLOY / "components").iterdir() if (d / "kustomization.yaml").exists()}
-    assert folders == set(COMPONENTS)
+    assert folders == set(COMPONENTS) | set(OVERLAY_COMPONENTS)

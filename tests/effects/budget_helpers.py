@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from healthagent.budget_counter import BudgetCounter
 from healthagent.effects.api_time import rfc3339
+from healthagent.effects.backend import ApiBackend
 from healthagent.effects.budget import COUNT_LEASE, held_lease, new_lease, slot_name
 from tests.effects.helpers import T0, TAINT_KEY, our_taints
 
@@ -17,7 +19,15 @@ LEASES = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases"
 @pytest.fixture
 def cluster(fake):
     fake.seed_nodes(20)  # 10% of 20 GPU nodes: a limit of 2
+    count_gpu_nodes(fake)
+    fake.reset_log()  # what the tests look at is the agents' requests
     return fake
+
+
+def count_gpu_nodes(fake, scope_label: str = "", at: float = T0) -> None:
+    """One round of the budget counter (the one writer of the counts) against ``fake``."""
+    BudgetCounter(ApiBackend(fake.api_client(), ""), NAMESPACE, "nvidia.com/gpu.present=true",
+                  scope_label).round(at)
 
 
 def peer_holds(fake, index, name, tainted=True, at=T0 - 600, value="replace_node", effect="NoExecute"):

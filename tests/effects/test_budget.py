@@ -5,13 +5,10 @@ import random
 import pytest
 
 from healthagent.effects.budget import (
-    COUNT_CLAIM_SECONDS,
     COUNT_LEASE,
-    COUNT_MAX_AGE_SECONDS,
     GPU_NODES_ANNOTATION,
     SELECTOR_ANNOTATION,
     budget_limit,
-    claimed_count,
     counted,
     held_lease,
     new_lease,
@@ -76,7 +73,9 @@ def slot(index, holder="", at=T0, version="10"):
 def count_lease(nodes, at=T0, selector=SELECTOR, version="20"):
     lease = new_lease(COUNT_LEASE, "healthagent", "count")
     lease["metadata"]["resourceVersion"] = version
-    return counted(claimed_count(lease, "gpu-9", at - 1), nodes, selector, at)
+    body = counted(lease, nodes, selector, at)
+    body["spec"]["holderIdentity"] = "healthagent-budget-counter"
+    return body
 
 
 def view(*leases, fraction=0.10, max_nodes=None):
@@ -112,17 +111,6 @@ def test_holders_past_a_limit_that_shrank_still_count():
     assert seen.allows and seen.free_indexes() == [1, 2, 3]
 
 
-def test_a_count_is_due_when_old_or_missing_unless_someone_is_at_it():
-    assert not view(count_lease(40, at=T0)).count.due(T0 + COUNT_MAX_AGE_SECONDS - 1)
-    assert view(count_lease(40, at=T0)).count.due(T0 + COUNT_MAX_AGE_SECONDS + 1)
-    claim = claimed_count(count_lease(40, at=T0), "gpu-3", T0 + 700)
-    assert not view(claim).count.due(T0 + 700 + COUNT_CLAIM_SECONDS - 1)  # gpu-3 is counting
-    assert view(claim).count.due(T0 + 700 + COUNT_CLAIM_SECONDS + 1)  # ... or gave up
-    first = claimed_count(new_lease(COUNT_LEASE, "healthagent", "count"), "gpu-3", T0)
-    assert view(first).count.nodes is None and not view(first).count.due(T0 + 1)
-    assert view().count is None
-
-
 def test_lease_bodies_keep_the_version_read_as_their_precondition():
     held = held_lease(slot(2, "gpu-a", T0 - 100, "33"), "gpu-b", T0, acquired=True)
     assert held["metadata"]["resourceVersion"] == "33"
@@ -139,7 +127,7 @@ def test_the_count_lease_records_nodes_selector_and_time():
     lease = count_lease(1234, at=T0)
     annotations = lease["metadata"]["annotations"]
     assert (annotations[GPU_NODES_ANNOTATION], annotations[SELECTOR_ANNOTATION]) == ("1234", SELECTOR)
-    assert lease["spec"]["renewTime"] == micro_time(T0) and lease["spec"]["holderIdentity"] == "gpu-9"
+    assert lease["spec"]["renewTime"] == micro_time(T0) and lease["spec"]["holderIdentity"] == "healthagent-budget-counter"
     assert lease["metadata"]["labels"]["healthagent.io/budget"] == "count"
 
 

@@ -7,7 +7,7 @@ go on to NoExecute, while the others stay held at NoSchedule. A watch on the nod
 every change in the API server's order, never sees more than ``LIMIT`` nodes with NoExecute at
 once. Then some NoExecute nodes are cleared, the held agents look again all at once, and exactly
 as many take the freed slots and go to NoExecute. Also here: a stale slot (its holder's Node
-deleted) is reclaimed, a live one is not, and the GPU nodes are counted as a Table. Skips without
+deleted) is reclaimed, a live one is not, and the counter counts the GPU nodes as a paged Table. Skips without
 the envtest binaries (the ``control_plane`` fixture).
 """
 
@@ -113,6 +113,7 @@ def fleet(control_plane, unique_name, tmp_path) -> Iterator[tuple[RealCluster, s
     ensure_namespace(client.CoreV1Api(cluster.api_client()), namespace)
     try:
         names = cluster.seed(AGENTS)
+        count_nodes(cluster, namespace, cluster.budget_selector)
         agents = [start_effects(settings_for(tmp_path / name, name, budget_node_selector=cluster.budget_selector,
                                              budget_namespace=namespace, budget_max_fraction=0.5,
                                              budget_max_nodes=LIMIT, replace_noexecute_grace_seconds=GRACE),
@@ -165,7 +166,7 @@ def test_many_agents_faulting_at_once_never_exceed_one_budget(fleet):
     count = cluster.plane.admin_session().get(
         f"{cluster.plane.url}/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{COUNT_LEASE}",
         timeout=10).json()
-    assert count["metadata"]["annotations"][GPU_NODES_ANNOTATION] == str(AGENTS)  # counted once, shared
+    assert count["metadata"]["annotations"][GPU_NODES_ANNOTATION] == str(AGENTS)  # the counter's, shared
     with TaintWatch(cluster) as watch:
         statuses = all_at_once(agents, lambda effects: effects.reconcile(XID95, T0, "boot-1"))
         watch.caught_up("race")
@@ -226,6 +227,7 @@ def test_a_stale_slot_is_reclaimed_and_a_live_one_is_not(control_plane, unique_n
             admin.create_namespaced_lease(namespace, held_lease(new_lease(slot_name(index), namespace, "slot"),
                                                                 holder, T0 - 600, acquired=True))
         cluster.delete_node(gone)
+        count_nodes(cluster, namespace, cluster.budget_selector)
         effects = start_effects(settings_for(tmp_path, me, budget_node_selector=cluster.budget_selector,
                                              budget_namespace=namespace, budget_max_fraction=1.0,
                                              budget_max_nodes=2), cluster)  # a limit of 2 on 3 nodes
@@ -241,16 +243,35 @@ def test_a_stale_slot_is_reclaimed_and_a_live_one_is_not(control_plane, unique_n
         cluster.close()
 
 
-def test_the_gpu_nodes_are_counted_as_a_table_of_the_selected_nodes(control_plane, unique_name):
+def count_nodes(cluster: RealCluster, namespace: str, selector: str, scope_label: str = "") -> dict:
+    """One round of the budget counter (admin credentials: no admission policy in this module)."""
+    from healthagent.budget_counter import BudgetCounter
     from healthagent.effects.backend import ApiBackend
-    from healthagent.effects.budget_leases import LeaseStore
 
+    return BudgetCounter(ApiBackend(cluster.api_client(), ""), namespace, selector, scope_label).round(T0)
+
+
+def test_the_counter_counts_the_selected_nodes_page_by_page(control_plane, unique_name, monkeypatch):
+    """7 nodes in pages of 3 (the continue token of a real server), per pool with a scope label;
+    a selector that matches none counts 0."""
+    from kubernetes import client
+
+    import healthagent.budget_counter as counter
+    from healthagent.effects.budget import Scope
+
+    monkeypatch.setattr(counter, "PAGE_ROWS", 3)
     cluster = RealCluster(control_plane, unique_name("count") + "-")
+    namespace = unique_name("budget")
+    ensure_namespace(client.CoreV1Api(cluster.api_client()), namespace)
     try:
-        cluster.seed(7)
-        store = LeaseStore(ApiBackend(cluster.api_client(), cluster.name(0)), "healthagent")
-        assert store.count_nodes(cluster.budget_selector) == 7
-        assert store.count_nodes(f"{cluster.budget_selector},nvidia.com/gpu.present=false") == 0
+        names = cluster.seed(7)
+        assert count_nodes(cluster, namespace, cluster.budget_selector) == {Scope(): 7}
+        for name in names[:2]:
+            cluster.update_node(name, lambda n: n["metadata"]["labels"].update({"pool": "a"}))
+        pools = count_nodes(cluster, namespace, cluster.budget_selector, "pool")
+        assert pools == {Scope("pool", "a"): 2, Scope("pool", ""): 5}
+        assert count_nodes(cluster, namespace, f"{cluster.budget_selector},nvidia.com/gpu.present=false") == {
+            Scope(): 0}
     finally:
         cluster.close()
 

@@ -17,12 +17,9 @@ from __future__ import annotations
 import pytest
 
 from healthagent.effects.budget import (
-    COUNT_LEASE,
-    COUNT_MAX_AGE_SECONDS,
     GPU_NODES_ANNOTATION,
     SLOT_GRACE_SECONDS,
     Scope,
-    claimed_count,
     held_lease,
     new_lease,
     slot_name,
@@ -36,6 +33,7 @@ from tests.effects.budget_helpers import (  # noqa: F401 (cluster: a fixture)
     NODE,
     before_write,
     cluster,
+    count_gpu_nodes,
     effects,
     held_by,
     holders,
@@ -51,12 +49,9 @@ pytestmark = pytest.mark.integration
 
 # -- taking, holding back, giving back ---------------------------------------------------------------
 
-def test_a_fault_takes_a_slot_then_taints_and_the_fleet_count_is_shared(tmp_path, cluster):
+def test_a_fault_takes_a_slot_then_taints_and_no_agent_lists_the_fleet(tmp_path, cluster):
     effects = started(tmp_path, cluster)
-    count = next(lease for lease in cluster.leases(NAMESPACE) if lease["metadata"]["name"] == COUNT_LEASE)
-    assert count["metadata"]["annotations"][GPU_NODES_ANNOTATION] == "20"  # counted once, at start
-    (table,) = node_lists(cluster)
-    assert table == {"labelSelector": "nvidia.com/gpu.present=true", "resourceVersion": "0", "includeObject": "None"}
+    assert node_lists(cluster) == []  # the count is the counter's: an agent never counts
     cluster.reset_log()
     status = effects.reconcile(XID95, T0, "boot-1")
     assert tainted(cluster) == [NODE] and held_by(cluster, NODE) in ([slot_name(0)], [slot_name(1)])
@@ -68,8 +63,9 @@ def test_a_fault_takes_a_slot_then_taints_and_the_fleet_count_is_shared(tmp_path
         ("PUT", f"{LEASES}/{held_by(cluster, NODE)[0]}"),  # the slot re-written after the taint landed
         ("PATCH", f"/api/v1/nodes/{NODE}/status"),
         ("POST", "/apis/events.k8s.io/v1/namespaces/default/events")]
-    peer = started(tmp_path / "peer", cluster, node="gpu-node-1")  # the count is fresh: not again
-    assert peer and node_lists(cluster) == []
+    peer = started(tmp_path / "peer", cluster, node="gpu-node-1")
+    peer.reconcile(XID95, T0, "boot-1")  # the second slot: the counter's 20 nodes allow 2
+    assert len(held_by(cluster, "gpu-node-1")) == 1 and node_lists(cluster) == []
 
 
 def test_a_steady_state_asks_nothing_of_the_budget(tmp_path, cluster):
@@ -326,32 +322,26 @@ def test_a_noexecute_without_a_slot_takes_one_at_start_and_stays_when_none_is_fr
 
 # -- the count -----------------------------------------------------------------------------------------
 
-def test_an_old_count_is_counted_again_after_a_decision_and_only_once(tmp_path, cluster):
+def test_the_counters_new_count_is_the_limit_at_the_next_look(tmp_path, cluster):
+    """The fleet grows to 30 GPU nodes: until the counter counts again the limit stays 2 (the
+    last count stands), after it 3. The agents never count."""
+    for i in (0, 1):
+        peer_holds(cluster, i, f"gpu-node-{i + 1}")
+    cluster.seed_nodes(10, prefix="new-")
     effects = started(tmp_path, cluster)
-    later = T0 + COUNT_MAX_AGE_SECONDS + 5
-    cluster.seed_nodes(10, prefix="new-")  # the fleet grew: 30 GPU nodes
+    assert effects.reconcile(XID95, T0, "boot-1").budget_blocked and node_lists(cluster) == []
+    count_gpu_nodes(cluster, at=T0 + 60)
     cluster.reset_log()
-    effects.reconcile(XID95, later, "boot-1")  # decides with the old count, then counts again
-    assert len(node_lists(cluster)) == 1
-    count = next(lease for lease in cluster.leases(NAMESPACE) if lease["metadata"]["name"] == COUNT_LEASE)
-    assert count["metadata"]["annotations"][GPU_NODES_ANNOTATION] == "30"
-    version = count["metadata"]["resourceVersion"]
-    peer = start_effects(settings_for(tmp_path / "peer", "gpu-node-1"), cluster)
-    peer.startup(later + 1, "boot-1")
-    peer.reconcile(XID95, later + 1, "boot-1")
-    count = next(lease for lease in cluster.leases(NAMESPACE) if lease["metadata"]["name"] == COUNT_LEASE)
-    assert count["metadata"]["resourceVersion"] == version  # fresh for everyone else: no re-count
-    # but the peer's take (slot 0 is held) relies on more than the smallest limit: it counts once itself
-    assert len(node_lists(cluster)) == 2 and held_by(cluster, "gpu-node-1")
+    status = effects.reconcile(XID95, effects.budget_recheck_at, "boot-1")
+    assert not status.budget_blocked and held_by(cluster, NODE) == [slot_name(2)]
+    assert node_lists(cluster) == []
 
 
-def test_a_count_claimed_by_another_agent_is_left_to_it(tmp_path, cluster):
-    lease = claimed_count(new_lease(COUNT_LEASE, NAMESPACE, "count"), "gpu-node-9", T0 - 2)
-    cluster.put_lease(NAMESPACE, lease)
-    effects = started(tmp_path, cluster)
-    assert node_lists(cluster) == []  # gpu-node-9 is counting
-    effects.reconcile(XID95, T0, "boot-1")
-    assert tainted(cluster) == [NODE]  # no count yet: the smallest limit, 1, still allows one
+def test_without_a_count_the_limit_is_the_smallest(tmp_path, fake):
+    fake.seed_nodes(20)  # no counter has run
+    peer_holds(fake, 0, "gpu-node-1")
+    effects = started(tmp_path, fake)
+    assert effects.reconcile(XID95, T0, "boot-1").budget_blocked and held_by(fake, NODE) == []
 
 
 # -- failures: fail closed, counted, never raised -------------------------------------------------------
@@ -409,6 +399,7 @@ def test_a_scope_label_gives_each_pool_its_own_share(tmp_path, fake):
     fake.seed_nodes(10, prefix="a-", labels={**gpu, POOL: "a"})
     fake.seed_nodes(20, prefix="b-", labels={**gpu, POOL: "b"})
     fake.seed_nodes(10, prefix="none-", labels=gpu)
+    count_gpu_nodes(fake, POOL)
 
     def agent(node):
         made = started(tmp_path / node, fake, node=node, replace_noexecute_grace_seconds=0.0,

@@ -148,6 +148,7 @@ def test_the_budget_never_pushes_a_pool_past_karpenters_20_percent(tmp_path, clu
         value = "small" if index < 5 else "large"
         cluster.update_node(cluster.name(index), lambda n, v=value: n["metadata"]["labels"].update({POOL: v}))
     small = [cluster.name(index) for index in range(5)]
+    cluster.count_gpu_nodes(POOL if scoped else "")
     extra = {"budget_scope_label": POOL} if scoped else {}
     fault = Verdict.of([xid_finding(94, Action.REPLACE_NODE, "0000:53:00.0", XID94_LINE)], T0)
     for node in small:

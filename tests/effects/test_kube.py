@@ -20,6 +20,7 @@ from healthagent.effects.node_desired import (
 )
 from healthagent.effects.api_time import rfc3339
 from healthagent.model import Action
+from tests.effects.budget_helpers import count_gpu_nodes
 from tests.effects.helpers import (
     HEALTHY,
     cleared_by,
@@ -45,6 +46,8 @@ EVENTS = "/apis/events.k8s.io/v1/namespaces/default/events"
 @pytest.fixture
 def cluster(fake):
     fake.seed_nodes(20)
+    count_gpu_nodes(fake)
+    fake.reset_log()
     return fake
 
 

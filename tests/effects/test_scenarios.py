@@ -49,6 +49,7 @@ def cluster(request, fake_or_none, unique_name):
         plane = request.getfixturevalue("control_plane")
         made = RealCluster(plane, unique_name("scn") + "-")
     made.seed(10)  # 10% of 10 GPU nodes: the budget allows one
+    made.count_gpu_nodes()
     yield made
     made.close()
 

@@ -19,6 +19,7 @@ from healthagent.effects.node_desired import CLEAR_HANDLED_ANNOTATION, HEALTH_LA
 from tests.effects.helpers import TAINT_KEY
 from tests.support.access_cluster import (
     ACCOUNT,
+    COUNT_POLICY,
     EVENT_POLICY,
     FOREIGN_TAINT,
     HEARTBEATS,
@@ -36,10 +37,9 @@ from tests.support.access_cluster import (
     agent_event,
     at_condition,
     at_taint,
-    claim_count,
     condition_status,
     conditions,
-    count_own_node,
+    count_value,
     foreign_lease,
     forged_count,
     give_back,
@@ -55,6 +55,7 @@ from tests.support.access_cluster import (
     taints,
     take_slot,
     with_taints,
+    write_count,
 )
 
 
@@ -80,7 +81,7 @@ class ByPolicy:
 
     def check(self, world: World, outcome: Outcome) -> None:
         assert (outcome.status, outcome.reason) == (403, "Forbidden"), outcome
-        message = self.message.format(a=world.a, b=world.b, slot=slot_name(world.slot))
+        message = self.message.format(a=world.a, b=world.b, slot=slot_name(world.slot), slot_number=world.slot)
         assert policy_denial(self.policy, message) in outcome.message, outcome
 
 
@@ -232,9 +233,8 @@ ALLOWED = {
     "give back its own slot": Case(
         lambda w: give_back(w), Allowed(lambda w: w.lease() is not None and holder(w) == ""),
         prepare=slot_as_admin("a")),
-    "claim the fleet's GPU node count in its own name": Case(
-        claim_count, Allowed(lambda w: holder(w, COUNT_LEASE) == w.a)),
-    "count the GPU nodes as a Table without the objects": Case(count_own_node, Allowed()),
+    "the budget counter's token records the fleet's GPU node count": Case(
+        lambda w: write_count(w, w.counter, "2"), Allowed(lambda w: count_value(w) == "2")),
     "node B's agent takes a free slot": Case(
         lambda w: take_slot(w, w.b, apis=w.agent_b), Allowed(lambda w: holder(w) == w.b), prepare=slot_as_admin()),
 }
@@ -384,14 +384,21 @@ DENIED_BY_POLICY = {
         lambda w: w.agent.leases.create_namespaced_lease(NAMESPACE, foreign_lease("healthagent-leader", NAMESPACE, w.a)),
         ByPolicy(LEASE_POLICY, "healthagent may write only the budget Leases healthagent-budget-*, not Lease "
                                "healthagent-leader")),
-    "a GPU node count no fleet has": Case(
-        lambda w: w.agent.leases.create_namespaced_lease(NAMESPACE, forged_count(w, "9" * 401)),
-        ByPolicy(LEASE_POLICY, "healthagent may record a GPU node count only as a whole number from 0 to 100000 "
-                               "(healthagent.io/gpu-nodes)")),
-    "a GPU node count that is not ASCII digits": Case(
-        lambda w: w.agent.leases.create_namespaced_lease(NAMESPACE, forged_count(w, "\u00b2")),
-        ByPolicy(LEASE_POLICY, "healthagent may record a GPU node count only as a whole number from 0 to 100000 "
-                               "(healthagent.io/gpu-nodes)")),
+    "record the fleet's GPU node count (the limit), even an honest one": Case(
+        lambda w: write_count(w, w.agent, "2", holder=w.a),
+        ByPolicy(COUNT_POLICY, "only the budget counter (service account healthagent-budget-counter in namespace "
+                               f"{NAMESPACE}) may write the GPU node count {COUNT_LEASE}, not {USER}")),
+    "a GPU node count of its own under another name": Case(
+        lambda w: w.agent.leases.create_namespaced_lease(NAMESPACE, forged_count(w, "100000")),
+        ByPolicy(COUNT_POLICY, "only the budget counter (service account healthagent-budget-counter in namespace "
+                               f"{NAMESPACE}) may write the GPU node count healthagent-budget-t{{slot_number}}-count, "
+                               f"not {USER}")),
+    "the counter's token: a GPU node count no fleet has": Case(
+        lambda w: w.counter.leases.create_namespaced_lease(NAMESPACE, forged_count(w, "9" * 401)),
+        ByPolicy(COUNT_POLICY, "a GPU node count is a whole number from 0 to 100000 (healthagent.io/gpu-nodes)")),
+    "the counter's token: a GPU node count that is not ASCII digits": Case(
+        lambda w: w.counter.leases.create_namespaced_lease(NAMESPACE, forged_count(w, "\u00b2")),
+        ByPolicy(COUNT_POLICY, "a GPU node count is a whole number from 0 to 100000 (healthagent.io/gpu-nodes)")),
     "no node in the token: take a free slot": Case(
         lambda w: take_slot(w, w.a, apis=w.unbound), ByPolicy(LEASE_POLICY, LEASE_NO_NODE), prepare=slot_as_admin()),
 }

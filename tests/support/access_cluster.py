@@ -17,17 +17,15 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from healthagent.effects.backend import ApiBackend
 from healthagent.effects.budget import (
     COUNT_LEASE,
     GPU_NODES_ANNOTATION,
-    claimed_count,
+    counted,
     held_lease,
     new_lease,
     released_lease,
     slot_name,
 )
-from healthagent.effects.budget_leases import LeaseStore
 from healthagent.effects.events import EVENTS_NAMESPACE, EventSpec, event_body
 from healthagent.effects.node_desired import GPU_CONDITION, HEALTH_LABEL
 from healthagent.model import Action
@@ -41,6 +39,8 @@ USER = f"system:serviceaccount:{NAMESPACE}:{ACCOUNT}"
 NODE_POLICY = "healthagent-own-node-only"
 EVENT_POLICY = "healthagent-own-node-events"
 LEASE_POLICY = "healthagent-own-budget-slot"
+COUNT_POLICY = "healthagent-budget-count"
+COUNTER_ACCOUNT = "healthagent-budget-counter"
 HEARTBEATS = "kube-node-lease"  # the kubelets' heartbeat Leases
 _slots = itertools.count(1000)  # slot numbers no other test of the module uses
 ACCESS_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
@@ -128,6 +128,7 @@ class World:
     agent: Apis  # the token of the pod on A
     agent_b: Apis  # the token of the pod on B
     unbound: Apis  # a token of the same service account that names no node
+    counter: Apis  # the budget counter's token (its own service account)
     uids: dict[str, str] = field(default_factory=dict)
     slot: int = field(default_factory=lambda: next(_slots))  # this test's budget slot number
 
@@ -182,10 +183,10 @@ def pod_token(admin: Apis, pod: Any) -> str:
     return admin.core.create_namespaced_service_account_token(ACCOUNT, NAMESPACE, request).status.token
 
 
-def unbound_token(admin: Apis) -> str:
+def unbound_token(admin: Apis, account: str = ACCOUNT) -> str:
     """A plain TokenRequest (no bound object): the same service account, but no node claim."""
     request = {"spec": {"expirationSeconds": TOKEN_SECONDS}}
-    return admin.core.create_namespaced_service_account_token(ACCOUNT, NAMESPACE, request).status.token
+    return admin.core.create_namespaced_service_account_token(account, NAMESPACE, request).status.token
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,8 @@ def world(control_plane, access, unique_name) -> Iterator[World]:
             plane=control_plane, a=a, b=b, admin=admin, uids=uids,
             agent=Apis.of(control_plane.api_client(pod_token(admin, pods[0]))),
             agent_b=Apis.of(control_plane.api_client(pod_token(admin, pods[1]))),
-            unbound=Apis.of(control_plane.api_client(unbound_token(admin))))
+            unbound=Apis.of(control_plane.api_client(unbound_token(admin))),
+            counter=Apis.of(control_plane.api_client(unbound_token(admin, COUNTER_ACCOUNT))))
         wait_until_policies_enforce(world)
         yield world
     finally:
@@ -364,26 +366,27 @@ def holder(world: World, name: str | None = None) -> str:
     return ((world.lease(name) or {}).get("spec") or {}).get("holderIdentity") or ""
 
 
-def claim_count(world: World) -> Any:
-    """The agent claims the fleet's count (the shared count Lease, created if absent)."""
+def write_count(world: World, apis: Apis, nodes: str, holder: str = COUNTER_ACCOUNT) -> Any:
+    """``apis`` writes the fleet's GPU node count (the count Lease, created if absent): ``nodes``,
+    in ``holder``'s name (an agent's own node passes the slot policy: only the count policy judges)."""
     current = world.lease(COUNT_LEASE)
-    body = claimed_count(current or new_lease(COUNT_LEASE, NAMESPACE, "count"), world.a, T0)
+    body = counted(current or new_lease(COUNT_LEASE, NAMESPACE, "count"), 2, "kubernetes.io/hostname", T0)
+    body["metadata"]["annotations"][GPU_NODES_ANNOTATION] = nodes
+    body["spec"]["holderIdentity"] = holder
+    body["metadata"].pop("managedFields", None)
     if current is None:
-        return world.agent.leases.create_namespaced_lease(NAMESPACE, body)
-    return world.agent.leases.replace_namespaced_lease(COUNT_LEASE, NAMESPACE, body)
+        return apis.leases.create_namespaced_lease(NAMESPACE, body)
+    return apis.leases.replace_namespaced_lease(COUNT_LEASE, NAMESPACE, body)
 
 
-def count_own_node(world: World) -> int:
-    """The budget's GPU node count (a Table without objects) with the agent's token; exactly 1."""
-    counted = LeaseStore(ApiBackend(world.agent.core.api_client, world.a), NAMESPACE).count_nodes(
-        f"kubernetes.io/hostname={world.a}")
-    assert counted == 1, counted
-    return counted
+def count_value(world: World) -> str | None:
+    lease = world.lease(COUNT_LEASE) or {}
+    return ((lease.get("metadata") or {}).get("annotations") or {}).get(GPU_NODES_ANNOTATION)
 
 
 def forged_count(world: World, nodes: str) -> dict:
-    """A count Lease of this test's own (its slot number in the name) in node A's name, counting ``nodes``."""
-    lease = held_lease(new_lease(f"healthagent-budget-count-{world.slot}", NAMESPACE, "count"), world.a, T0,
+    """A count Lease of this test's own (its slot number in the name), counting ``nodes``."""
+    lease = held_lease(new_lease(f"healthagent-budget-t{world.slot}-count", NAMESPACE, "count"), world.a, T0,
                        acquired=True)
     lease["metadata"]["annotations"] = {GPU_NODES_ANNOTATION: nodes}
     return lease

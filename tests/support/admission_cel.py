@@ -55,7 +55,7 @@ class PolicyEvaluator:
                                          "variables": cel.Type.Map(cel.Type.STRING, dyn)})
         self.spec = policy["spec"]
         self.conditions = [self.env.compile(c["expression"]) for c in self.spec.get("matchConditions", [])]
-        self.variables = [(v["name"], self.env.compile(v["expression"])) for v in self.spec["variables"]]
+        self.variables = [(v["name"], self.env.compile(v["expression"])) for v in self.spec.get("variables", [])]
         self.validations = [
             (self.env.compile(v["expression"]),
              self.env.compile(v["messageExpression"]) if "messageExpression" in v else None,

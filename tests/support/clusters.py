@@ -55,6 +55,15 @@ class Cluster:
         """Where the agents under test keep the budget's Leases."""
         return DEFAULT_NAMESPACE
 
+    def count_gpu_nodes(self, scope_label: str = "", at: float = 1_700_000_000.0) -> None:
+        """One round of the budget counter, the one writer of the budget's GPU node counts (here
+        with the server's admin credentials: no admission policy in these tests)."""
+        from healthagent.budget_counter import BudgetCounter
+        from healthagent.effects.backend import ApiBackend
+
+        BudgetCounter(ApiBackend(self.api_client(), ""), self.budget_namespace, self.budget_selector,
+                      scope_label).round(at)
+
     def seed(self, count: int) -> list[str]:
         """``count`` GPU nodes, each with the not-ready taint and a foreign condition."""
         names = [self.name(i) for i in range(count)]

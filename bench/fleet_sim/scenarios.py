@@ -1,0 +1,213 @@
+"""The scenarios of a simulated fleet, each measured over its own window.
+
+``Sim`` sets the fleet up (nodes, access objects, counter, full agents, the other nodes'
+watches) and runs: ``steady`` (nothing happens: the cost of the fleet at rest), ``burst`` (faults
+spread over a time, optionally with an API server restart in the middle) and ``clear`` (an
+operator clears every tainted node). Each returns a ``Result`` of figures; nothing in it judges
+wall-clock time: what must hold (never more than the limit out, every faulty node tainted,
+bytes per decision under a bound) is for the caller to check."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import percentile
+from bench.fleet_sim.agents import Counter, Fleet
+from bench.fleet_sim.cluster import apply_generic_access, create_nodes, ensure_namespace
+from bench.fleet_sim.observe import Meter, TaintLog, Window
+from bench.fleet_sim.watchers import PassiveWatches
+from tests.support.envtest import ControlPlane
+
+WAIT_SECONDS = 600.0  # the longest any scenario waits for its outcome (a bound, not a measurement)
+
+
+@dataclass(frozen=True)
+class Preset:
+    nodes: int
+    agents: int  # simulated in full; every other node has its watch only
+    faults: int  # per burst
+    limit: int  # budget_max_nodes (budget_max_fraction 0.1)
+    steady_seconds: float
+    burst_seconds: float  # the "in 60 s" burst
+    restart_burst_seconds: float
+
+
+PRESETS = {
+    "small": Preset(nodes=60, agents=30, faults=20, limit=3, steady_seconds=3, burst_seconds=3,
+                    restart_burst_seconds=4),
+    "10k": Preset(nodes=10_000, agents=1_000, faults=1_000, limit=10, steady_seconds=600, burst_seconds=60,
+                  restart_burst_seconds=30),
+}
+
+
+@dataclass
+class Result:
+    name: str
+    window: Window
+    faults: int = 0
+    tainted: int = 0  # faulty nodes that reached NoSchedule (or NoExecute)
+    to_noschedule: list = field(default_factory=list)  # seconds from fault to the taint, per node
+    all_tainted_seconds: float | None = None  # from the first fault to the last node tainted
+    to_noexecute: list = field(default_factory=list)  # slot holders: fault to NoExecute
+    most_noexecute: int = 0
+    limit: int = 0
+    decisions: int = 0  # lists of the budget's Leases (one per look)
+    cleared: int = 0
+    to_clean: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def bytes_where(self, verbs: tuple[str, ...], resources: tuple[str, ...] = ()) -> float:
+        return sum(v for (metric, verb, resource), v in self.window.api.items()
+                   if metric == "bytes" and verb in verbs and (not resources or resource in resources))
+
+    @property
+    def bytes_per_decision(self) -> float | None:
+        """Every byte the API server sent for LIST and GET (leases, nodes, events) per look."""
+        return self.bytes_where(("LIST", "GET"), ("leases", "nodes", "events")) / self.decisions \
+            if self.decisions else None
+
+    def summary(self, values: list) -> str:
+        if not values:
+            return "-"
+        return (f"p50 {percentile(values, 0.5) * 1000:,.0f} ms, p99 {percentile(values, 0.99) * 1000:,.0f} ms, "
+                f"max {max(values) * 1000:,.0f} ms")
+
+
+class Sim:
+    def __init__(self, plane: ControlPlane, preset: Preset, seed: int = 16) -> None:
+        self.plane, self.preset = plane, preset
+        self.rng = random.Random(seed)
+        self._folder = tempfile.TemporaryDirectory(prefix="bench-fleet-")
+        self.setup: dict[str, float] = {}
+
+    def __enter__(self) -> "Sim":
+        p = self.preset
+        ensure_namespace(self.plane)
+        apply_generic_access(self.plane)
+        names, self.setup["create_seconds"] = create_nodes(self.plane, p.nodes)
+        self.names = names
+        self.counter = Counter(self.plane, interval=60.0)
+        self.setup["gpu_nodes_counted"] = self.counter.round()
+        self.counter.start()
+        self.log = TaintLog(self.plane)
+        full = names[:p.agents]
+        version = self.plane.admin_session().get(f"{self.plane.url}/api/v1/nodes", timeout=60,
+                                                 params={"limit": "1"}).json()["metadata"]["resourceVersion"]
+        self.passive = PassiveWatches(self.plane, names[p.agents:], version)
+        self.passive.start()
+        self.fleet = Fleet(self.plane, full, Path(self._folder.name), p.limit, 0.1)
+        self.setup["agents_start_seconds"] = self.fleet.start(WAIT_SECONDS)
+        self.setup["agents_watching"] = self.fleet.watching()
+        deadline = time.monotonic() + WAIT_SECONDS
+        while len(self.passive.figures.live) < p.nodes - p.agents and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.setup["passive_watches_live"] = len(self.passive.figures.live)
+        self.meter = Meter(self.plane)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fleet.stop()
+        self.passive.stop()
+        self.counter.stop()
+        self.log.stop()
+        self._folder.cleanup()
+
+    # -- scenarios ---------------------------------------------------------------------------------------
+
+    def steady(self, seconds: float) -> Result:
+        self.meter.start()
+        time.sleep(seconds)
+        return Result("steady state", self.meter.stop(), limit=self.preset.limit)
+
+    def burst(self, name: str, faults: int, spread: float, restart: bool = False) -> Result:
+        from tests.effects.helpers import XID95
+
+        clean = [a for a in self.fleet.agents if a.name not in self.log.effects]
+        chosen = self.rng.sample(clean, min(faults, len(clean)))
+        offsets = sorted(self.rng.uniform(0.0, spread) for _ in chosen)
+        self.log.reset()
+        self.meter.start()
+        begin = time.monotonic()
+        restarter = None
+        if restart:
+            restarter = threading.Timer(spread / 2, self._restart)
+            restarter.start()
+        for agent, offset in zip(chosen, offsets):
+            delay = begin + offset - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            agent.fault(XID95)
+        if restarter is not None:
+            restarter.join()
+        wanted = {a.name for a in chosen}
+        self.log.wait(lambda log: all((n, "NoSchedule") in log.first or (n, "NoExecute") in log.first
+                                      for n in wanted) and log.noexecute() >= min(self.preset.limit, len(wanted)),
+                      WAIT_SECONDS)
+        self._settle()
+        result = Result(name, self.meter.stop(), faults=len(chosen), limit=self.preset.limit)
+        firsts = self.log.first
+        result.to_noschedule = [min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute"))
+                                - a.faulted_at for a in chosen]
+        result.to_noschedule = [s for s in result.to_noschedule if s != float("inf")]
+        result.tainted = len(result.to_noschedule)
+        if result.tainted == len(chosen) and chosen:
+            last = max(min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute"))
+                       for a in chosen)
+            result.all_tainted_seconds = last - min(a.faulted_at for a in chosen)
+        result.to_noexecute = [firsts[(a.name, "NoExecute")] - a.faulted_at for a in chosen
+                               if (a.name, "NoExecute") in firsts]
+        result.most_noexecute = self.log.most_noexecute
+        result.decisions = int(sum(v for (metric, verb, resource), v in result.window.api.items()
+                                   if metric == "requests" and verb == "LIST" and resource == "leases"))
+        if restart:
+            result.notes.append(f"API server restarted {spread / 2:.0f} s into the burst; the bench's watch "
+                                f"resumed {self.log.restarts} time(s); passive watch re-opens "
+                                f"{self.passive.figures.failures}")
+        return result
+
+    def clear(self, name: str) -> Result:
+        """An operator clears every node the agents tainted (the clear annotation, as
+        ``kubectl annotate`` writes it); the agents' loop hands over the cleared verdict."""
+        from healthagent.effects.node_desired import CLEAR_ANNOTATION
+        from tests.effects.helpers import cleared_by
+
+        tainted = [a for a in self.fleet.agents if a.name in self.log.effects]
+        session = self.plane.admin_session()
+        token = f"op-{int(time.time())}"
+        self.log.reset()
+        self.meter.start()
+        started: dict[str, float] = {}
+
+        def clear_one(agent) -> None:
+            started[agent.name] = time.monotonic()
+            session.patch(f"{self.plane.url}/api/v1/nodes/{agent.name}", timeout=60,
+                          headers={"Content-Type": "application/merge-patch+json"},
+                          json={"metadata": {"annotations": {CLEAR_ANNOTATION: token}}}).raise_for_status()
+            agent.worker.submit(cleared_by(token))
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(clear_one, tainted))
+        names = {a.name for a in tainted}
+        self.log.wait(lambda log: not names & set(log.effects), WAIT_SECONDS)
+        self._settle()
+        result = Result(name, self.meter.stop(), limit=self.preset.limit)
+        result.cleared = len(names - set(self.log.effects))
+        result.to_clean = [self.log.first[(n, "clean")] - started[n] for n in names if (n, "clean") in self.log.first]
+        result.most_noexecute = self.log.most_noexecute
+        result.faults = len(names)
+        return result
+
+    def _restart(self) -> None:
+        self.meter.before_restart()
+        self.plane.restart_apiserver()
+        self.meter.after_restart()
+
+    def _settle(self, quiet: float = 2.0) -> None:
+        """Let the agents' follow-up writes (slot re-writes, Events) land before the window closes."""
+        time.sleep(quiet)
