@@ -234,7 +234,7 @@ def render_demo_node(workdir: Path) -> dict[str, bytes]:
         # AgentRuntime hands its clock to the loop and the effects worker but builds the intake
         # with the wall clock (job wall time would then count real microseconds between reports).
         # The version is fixed too, so a release does not rewrite the golden files.
-        with mock.patch.object(training_intake, "TrainingIntake",
+        with mock.patch.object(wiring, "TrainingIntake",
                                partial(training_intake.TrainingIntake, clock=clock)), \
                 mock.patch.object(wiring, "__version__", VERSION):
             runtime = AgentRuntime(settings, clock=clock)
