@@ -356,7 +356,7 @@ class Agent:
             health=tuple(self._health.values()), verdict=self.verdict, kube=kube,
             ready=self.ready, expected_gpus=self.expected_gpus,
             expected_efa_devices=self.expected_efa_devices,
-            internal_errors=self.internal_errors(),
+            internal_errors=self.internal_errors(), names_folded=self.classifier.names_folded(),
         ))
 
     def internal_errors(self) -> dict[tuple[str, str], int]:

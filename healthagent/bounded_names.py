@@ -12,16 +12,15 @@ Every place that turns such a name into a series or a finding asks a ``NameBound
 - every later name is folded into ``OVERFLOW`` ("~other": no PCI id, device or port is spelt so),
   one series and one finding for all of them; the finding keeps the most severe action of what it
   folded (``Action.most_severe``), so a fault behind a folded name is still acted on;
-- each fold is counted per source, exported as ``healthagent_names_folded_total{source}``.
+- each bound counts its folds (``folded``); the classifier adds its bounds' counts up for the
+  snapshot, exported as ``healthagent_names_folded_total{source}``.
 
-The kept names are bounded (``limit``), the overflow is one name, and the fold counts are one
-integer per source: memory does not grow with the input. The counts are process-wide (a counter
-for the process's life, as every ``_total`` metric is); the kept names belong to each bound.
+The kept names are bounded (``limit``), the overflow is one name, and the fold count is one integer
+per bound: memory does not grow with the input.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Iterable, TypeVar
 
 OVERFLOW = "~other"
@@ -38,23 +37,7 @@ UNMAPPED_NUMBERS = 64
 # What a folded number becomes where a number is needed (an event's ``xid``); exported as OVERFLOW.
 FOLDED_NUMBER = -1
 
-_lock = threading.Lock()
-_folded: dict[str, int] = {}
-
 T = TypeVar("T")
-
-
-def note_folded(source: str, count: int = 1) -> None:
-    """Count ``count`` names folded for ``source`` (``healthagent_names_folded_total``)."""
-    if count > 0:
-        with _lock:
-            _folded[source] = _folded.get(source, 0) + count
-
-
-def folded_totals() -> dict[str, int]:
-    """Names folded since the process started, by source."""
-    with _lock:
-        return dict(_folded)
 
 
 class NameBound:
@@ -64,6 +47,7 @@ class NameBound:
         self.source = source
         self.limit = max(1, int(limit))
         self._kept: set[str] = set()
+        self.folded = 0  # names folded into OVERFLOW by this bound
 
     def admit(self, name: str) -> str:
         """``name`` when it is kept (or there is room to keep it), else ``OVERFLOW`` (counted).
@@ -73,7 +57,7 @@ class NameBound:
         if len(self._kept) < self.limit:
             self._kept.add(name)
             return name
-        note_folded(self.source)
+        self.folded += 1
         return OVERFLOW
 
     def learn(self, names: Iterable[str]) -> None:

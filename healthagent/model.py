@@ -493,5 +493,6 @@ class AgentSnapshot:
     # Failures the agent survived, cumulative by (component, kind): component state | kube |
     # policy | http | loop. Exported as healthagent_internal_errors_total.
     internal_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    names_folded: Mapping[str, int] = field(default_factory=dict)  # by source (bounded_names)
     # The remediation stage and its history (``effects/stage.py``); None before the loop's first.
     stage: "StageHistory | None" = None

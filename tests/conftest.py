@@ -40,11 +40,3 @@ def unique_name():
     """A name no other test of this session uses (Nodes are cluster-wide on the one server)."""
     return lambda base: f"{base}-t{next(_names)}"
 
-
-@pytest.fixture(autouse=True)
-def _no_folded_names_between_tests(monkeypatch):
-    """The count of names folded by the bound on untrusted names is process-wide (one agent per
-    process); each test starts from none, so one test's flood never shows in another's metrics."""
-    from healthagent import bounded_names
-
-    monkeypatch.setattr(bounded_names, "_folded", {})

@@ -80,9 +80,12 @@ class Classifier:
         self.internal_errors = 0
         self.earlier_boot_total = 0  # XIDs from earlier boots seen since start (logged, not judged)
         self.observation = 0  # observations since the state began (saved): names a verdict
+        self._folded_earlier: dict[str, int] = {}  # folds of the bounds a reset replaced
         self._reset()
 
     def _reset(self) -> None:
+        if hasattr(self, "incidents"):  # a new boot or GPU set: keep the fold counts cumulative
+            self._folded_earlier = self.names_folded()
         self.book = FindingBook(self.policy)
         self.incidents = XidIncidents(self.policy, self.catalog)
         self.gpus: dict[str, GpuTrack] = {}
@@ -95,6 +98,13 @@ class Classifier:
         self.clear_token: str | None = ""  # the last operator clear acted on (None: unknown)
         self.now = 0.0
         self.inventory_time: float | None = None
+
+    def names_folded(self) -> dict[str, int]:
+        """Names the bound on untrusted names folded since start, by source (``bounded_names``)."""
+        totals = dict(self._folded_earlier)
+        for bound in (self.adapters.bound, self.incidents.unmatched, self.incidents.switches, self.incidents.numbers):
+            totals[bound.source] = totals.get(bound.source, 0) + bound.folded
+        return {source: count for source, count in totals.items() if count}
 
     # -- observe ----------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from healthagent.bounded_names import FOLDED_NUMBER, OVERFLOW, folded_totals
+from healthagent.bounded_names import FOLDED_NUMBER, OVERFLOW
 from healthagent.model import (
     API_CONDITION_KINDS,
     EFA_NOT_COUNTERS,
@@ -193,7 +193,7 @@ def _other_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
     yield from pipeline_families(snapshot, _family)
     yield from _source_families(snapshot)
     yield from _internal_error_families(snapshot)
-    yield from _folded_names_families()
+    yield from _folded_names_families(snapshot)
 
 
 # In exposition order. The big parts (GPUs, EFA) change only when their source collects again.
@@ -216,10 +216,10 @@ SNAPSHOT_PARTS: tuple[SnapshotPart, ...] = (
 )
 
 
-def _folded_names_families() -> Iterator[Metric]:
-    """``names_folded_total`` from the shared bound's process-wide counts (``bounded_names``);
-    nothing until a name was folded."""
-    folded = folded_totals()
+def _folded_names_families(snapshot: AgentSnapshot) -> Iterator[Metric]:
+    """``names_folded_total`` from the classifier's bounds (``bounded_names``); nothing until a
+    name was folded."""
+    folded = snapshot.names_folded
     if folded:
         family = _family("names_folded_total")
         for source in sorted(folded):
