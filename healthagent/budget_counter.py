@@ -29,6 +29,9 @@ import sys
 import time
 from typing import Any, Iterable, Iterator, Mapping
 
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
 from healthagent.effects.api_time import parse_rfc3339
 from healthagent.effects.backend import AlreadyExists, ApiBackend, ApiError, ApiUnavailable, Conflict
 from healthagent.effects.budget import (
@@ -132,8 +135,6 @@ class BudgetCounter:
         api = self.store.core.api_client
 
         def list_node_table(_preload_content: bool = False, _request_timeout: Any = None) -> Any:
-            from kubernetes.client.exceptions import ApiException
-
             method, url, headers, _, _ = api.param_serialize(
                 method="GET", resource_path="/api/v1/nodes", query_params=params,
                 header_params={"Accept": TABLE}, auth_settings=["BearerToken"])
@@ -176,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.interval < 1:
         print("interval: must be at least 1 second; fix --interval", file=sys.stderr)
         return 3
-    from kubernetes import client, config
-
     configuration = client.Configuration()
     if args.kubeconfig:
         config.load_kube_config(config_file=args.kubeconfig, client_configuration=configuration)

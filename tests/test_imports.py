@@ -37,7 +37,8 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("training", 1, ("healthagent.training",)),
     ("effects", 2, ("healthagent.effects", "healthagent.dra")),
     ("telemetry", 3, ("healthagent.telemetry",)),
-    ("agent", 4, ("healthagent.agent",)),
+    # The loop, and the budget counter: a program of its own (a Deployment) built on the effects.
+    ("agent", 4, ("healthagent.agent", "healthagent.budget_counter")),
     ("presentation", 5, ("healthagent.wiring", "healthagent.cli", "healthagent.cli_inputs",
                          "healthagent.cli_token", "healthagent.check_report", "healthagent.__main__",
                          "healthagent.demo")),
