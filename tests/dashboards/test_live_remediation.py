@@ -21,7 +21,7 @@ from healthagent.effects.node_desired import CLEAR_ANNOTATION
 from healthagent.effects.stage import NodeSide, stage_of, started
 from healthagent.model import AgentSnapshot, KubeStatus
 from tests.dashboards.test_live_prometheus import Prometheus
-from tests.effects.budget_helpers import NODE, peer_holds
+from tests.effects.budget_helpers import NODE, count_gpu_nodes, peer_holds
 from tests.effects.helpers import HEALTHY, T0, XID95, cleared_by, started as effects_started
 from tests.support.kubefake import KubeFake
 from tests.support.observability import (
@@ -69,7 +69,8 @@ def prometheus(tmp_path: Path):
 
 def test_the_dashboard_follows_a_scripted_incident_stage_by_stage(tmp_path, fake, prometheus):
     agent, prom = prometheus
-    fake.seed_nodes(20)  # a limit of 2 at 10%
+    fake.seed_nodes(20)
+    count_gpu_nodes(fake)  # the counter's count: a limit of 2 at 10%
     peer_holds(fake, 0, "gpu-node-5")
     peer_holds(fake, 1, "gpu-node-6")
     effects = effects_started(tmp_path, fake)

@@ -244,11 +244,8 @@ def test_a_stale_slot_is_reclaimed_and_a_live_one_is_not(control_plane, unique_n
 
 
 def count_nodes(cluster: RealCluster, namespace: str, selector: str, scope_label: str = "") -> dict:
-    """One round of the budget counter (admin credentials: no admission policy in this module)."""
-    from healthagent.budget_counter import BudgetCounter
-    from healthagent.effects.backend import ApiBackend
-
-    return BudgetCounter(ApiBackend(cluster.api_client(), ""), namespace, selector, scope_label).round(T0)
+    """One round of the budget counter, as its own service account, into ``namespace``."""
+    return cluster.count_gpu_nodes(scope_label, at=T0, namespace=namespace, selector=selector)
 
 
 def test_the_counter_counts_the_selected_nodes_page_by_page(control_plane, unique_name, monkeypatch):

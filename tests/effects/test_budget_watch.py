@@ -15,7 +15,7 @@ from healthagent.effects.backend import ApiBackend
 from healthagent.effects.budget import COUNT_LEASE, FLEET, Scope, held_lease, new_lease, released_lease, slot_name
 from healthagent.effects.budget_leases import LeaseStore
 from healthagent.effects.budget_watch import SlotWatch
-from tests.effects.budget_helpers import NAMESPACE, NODE, held_by, peer_holds
+from tests.effects.budget_helpers import NAMESPACE, NODE, count_gpu_nodes, held_by, peer_holds
 from tests.effects.helpers import T0, Wakes, XID95, settings_for, start_effects, wait_for
 from tests.support.gated_source import LONG
 
@@ -110,6 +110,7 @@ def test_a_garbage_line_a_refusal_and_a_cut_stream_are_counted_and_survived(fake
 def test_the_watch_runs_only_while_the_node_is_held(tmp_path, fake):
     """Held: watching; a slot taken: not; no disruptive step ahead any more: not."""
     fake.seed_nodes(20)
+    count_gpu_nodes(fake)  # 10% of the 20 counted: a limit of 2, both held by peers
     for index, peer in enumerate(("gpu-node-5", "gpu-node-6")):
         peer_holds(fake, index, peer)
     effects = start_effects(settings_for(tmp_path, NODE), fake, watch=True)

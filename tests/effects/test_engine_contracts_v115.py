@@ -135,6 +135,7 @@ def test_v115_paces_the_agents_requests_by_the_nodepool_budget(tmp_path, cluster
     pool_names = [cluster.name(index) for index in range(10)]
     for name in pool_names:
         cluster.update_node(name, lambda n: n["metadata"]["labels"].update({POOL: "gpu"}))
+    cluster.count_gpu_nodes(POOL)  # the counter's count per pool: 20% of 10, two
     fault = Verdict.of([xid_finding(94, Action.REPLACE_NODE, "0000:53:00.0", XID94_LINE)], T0)
     for name in pool_names[:2]:
         agent, _ = effects_for(tmp_path, cluster, node=name, condition_vocabulary="eks",

@@ -27,6 +27,8 @@ from tests.support.kubefake import KubeFake
 NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
 GPU_LABEL = ("nvidia.com/gpu.present", "true")
 RUN_LABEL = "test.healthagent.io/run"
+COUNTER_ACCOUNT = "healthagent-budget-counter"  # the name the policy healthagent-budget-count admits
+COUNTER_ROLE = "healthagent-test-budget-counter"
 READY = {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "no kubelet in tests",
          "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}
 
@@ -55,14 +57,20 @@ class Cluster:
         """Where the agents under test keep the budget's Leases."""
         return DEFAULT_NAMESPACE
 
-    def count_gpu_nodes(self, scope_label: str = "", at: float = 1_700_000_000.0) -> None:
-        """One round of the budget counter, the one writer of the budget's GPU node counts (here
-        with the server's admin credentials: no admission policy in these tests)."""
+    def count_gpu_nodes(self, scope_label: str = "", at: float = 1_700_000_000.0, namespace: str = "",
+                        selector: str = "") -> dict:
+        """One round of the budget counter, the one writer of the budget's GPU node counts, with
+        the credentials the counter runs with (``counter_client``); its counts by scope."""
         from healthagent.budget_counter import BudgetCounter
         from healthagent.effects.backend import ApiBackend
 
-        BudgetCounter(ApiBackend(self.api_client(), ""), self.budget_namespace, self.budget_selector,
-                      scope_label).round(at)
+        namespace = namespace or self.budget_namespace
+        return BudgetCounter(ApiBackend(self.counter_client(namespace), ""), namespace,
+                             selector or self.budget_selector, scope_label).round(at)
+
+    def counter_client(self, namespace: str):
+        """An API client for the budget counter writing counts in ``namespace``."""
+        return self.api_client()
 
     def seed(self, count: int) -> list[str]:
         """``count`` GPU nodes, each with the not-ready taint and a foreign condition."""
@@ -126,6 +134,7 @@ class RealCluster(Cluster):
         self._core = client.CoreV1Api(self._admin)
         self._events = client.EventsV1Api(self._admin)
         self._created: set[str] = set()
+        self._bindings: set[str] = set()
         ensure_namespace(self._core, self.budget_namespace)  # where the agent keeps its budget's Leases
 
     @property
@@ -136,6 +145,36 @@ class RealCluster(Cluster):
 
     def api_client(self):
         return self.plane.api_client()
+
+    def counter_client(self, namespace: str):
+        """The counter's own identity, as deployed: service account ``healthagent-budget-counter``
+        in ``namespace``, allowed to list nodes and write Leases. The admission policy
+        healthagent-budget-count (cluster-wide once any test applies it) lets no one else write a
+        count, the admin included, so counting as the admin would pass or fail by test order."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        rbac = client.RbacAuthorizationV1Api(self._admin)
+        made = [(self._core.create_namespaced_service_account, (namespace, {
+                    "metadata": {"name": COUNTER_ACCOUNT, "namespace": namespace}})),
+                (rbac.create_cluster_role, ({"metadata": {"name": COUNTER_ROLE}, "rules": [
+                    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
+                    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                     "verbs": ["list", "create", "update"]}]},)),
+                (rbac.create_cluster_role_binding, ({
+                    "metadata": {"name": f"{COUNTER_ROLE}-{namespace}"},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": COUNTER_ROLE},
+                    "subjects": [{"kind": "ServiceAccount", "name": COUNTER_ACCOUNT, "namespace": namespace}]},))]
+        for create, args in made:
+            try:
+                create(*args)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+        self._bindings.add(f"{COUNTER_ROLE}-{namespace}")
+        token = self._core.create_namespaced_service_account_token(
+            COUNTER_ACCOUNT, namespace, {"spec": {"expirationSeconds": 3600}}).status.token
+        return self.plane.api_client(token)
 
     def create_node(self, name: str) -> dict:
         body = {"apiVersion": "v1", "kind": "Node",
@@ -192,6 +231,17 @@ class RealCluster(Cluster):
             except Exception:  # noqa: BLE001 - already gone, or the server is going away
                 pass
         self._free_budget_slots()
+        self._delete_counter_bindings()
+
+    def _delete_counter_bindings(self) -> None:
+        """The counter's ClusterRoleBindings are cluster-wide: one per namespace it counted into."""
+        from kubernetes import client
+
+        for binding in self._bindings:
+            try:
+                client.RbacAuthorizationV1Api(self._admin).delete_cluster_role_binding(binding)
+            except Exception:  # noqa: BLE001 - already gone, or the server is going away
+                pass
 
     def _free_budget_slots(self) -> None:
         """Delete the budget slots its nodes still hold in the shared namespace: every test's
