@@ -7,7 +7,7 @@ test_server_dry_run.py does for the overlays: CEL compiled, structural schemas, 
 Then one release lives on the server: ``helm install`` (the dry run), ``helm upgrade`` with other
 values (eks-node-repair, a budget), ``helm rollback`` to the dry run and ``helm uninstall``, with
 the server's objects checked after each step: what the revision holds is there as rendered, what it
-does not hold is gone (the Event and budget Roles after the rollback), and after the uninstall
+does not hold is gone (the Event and budget Roles and the budget counter after the rollback), and after the uninstall
 nothing is left, the cluster-scoped admission policies and bindings included. The release uses
 its own agent namespace, so it never meets the Namespace the dry runs create.
 """
@@ -40,6 +40,12 @@ AGENT_NAMESPACE = "healthagent-lifecycle"
 WRITE_ROLES = {("Role", "default", "healthagent-events"), ("RoleBinding", "default", "healthagent-events"),
                ("Role", AGENT_NAMESPACE, "healthagent-budget"),
                ("RoleBinding", AGENT_NAMESPACE, "healthagent-budget")}
+# The budget counter, which every preset but the dry run runs: its account, grants and Deployment.
+COUNTER = {("ServiceAccount", AGENT_NAMESPACE, "healthagent-budget-counter"),
+           ("ClusterRole", "", "healthagent-budget-counter"), ("ClusterRoleBinding", "", "healthagent-budget-counter"),
+           ("Role", AGENT_NAMESPACE, "healthagent-budget-counter"),
+           ("RoleBinding", AGENT_NAMESPACE, "healthagent-budget-counter"),
+           ("Deployment", AGENT_NAMESPACE, "healthagent-budget-counter")}
 CLUSTER_SCOPED_KINDS = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
                         "ValidatingAdmissionPolicyBinding")
 
@@ -111,7 +117,7 @@ def test_install_upgrade_rollback_uninstall(helm_on_server, control_plane, crds)
     kinds = {o["kind"] for o in first}
     assert {"ServiceMonitor", "PrometheusRule", "ValidatingAdmissionPolicy", "DaemonSet"} <= kinds, \
         "the monitoring objects belong in an install where the server serves their CRDs"
-    assert not identities(first) & WRITE_ROLES
+    assert not identities(first) & (WRITE_ROLES | COUNTER)
     assert_revision_is_live(api, first)
     assert verbs(api, first) == {"get", "list"}
     assert env_of(live(api, the(first, "DaemonSet", "healthagent")))["HEALTHAGENT_KUBE"] == "dry-run"
@@ -119,7 +125,7 @@ def test_install_upgrade_rollback_uninstall(helm_on_server, control_plane, crds)
     helm_ok(helm_on_server, "upgrade", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
             values={**namespace, "preset": "eks-node-repair", "budget": {"maxPercent": 5}})
     second = manifest(helm_on_server)
-    assert identities(second) - identities(first) == WRITE_ROLES
+    assert identities(second) - identities(first) == WRITE_ROLES | COUNTER
     assert_revision_is_live(api, second)
     assert verbs(api, second) == {"get", "list", "watch", "patch"}
     env = env_of(live(api, the(second, "DaemonSet", "healthagent")))
@@ -131,7 +137,7 @@ def test_install_upgrade_rollback_uninstall(helm_on_server, control_plane, crds)
     assert identities(manifest(helm_on_server)) == identities(first)
     assert_revision_is_live(api, first)
     assert_gone(api, [o for o in second if (o["kind"], o["metadata"].get("namespace", ""),
-                                             o["metadata"]["name"]) in WRITE_ROLES])
+                                             o["metadata"]["name"]) in WRITE_ROLES | COUNTER])
     assert verbs(api, first) == {"get", "list"}
     env = env_of(live(api, the(first, "DaemonSet", "healthagent")))
     assert env["HEALTHAGENT_KUBE"] == "dry-run" and "HEALTHAGENT_CONDITION_VOCABULARY" not in env

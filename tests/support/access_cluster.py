@@ -89,6 +89,24 @@ def delete_access_objects(api_client: Any, objects: list[dict[str, Any]]) -> Non
         except ApiException as exc:
             if exc.status != 404:
                 raise
+    if any(o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"] == COUNT_POLICY for o in objects):
+        wait_until_the_count_policy_is_gone(api_client)
+
+
+def wait_until_the_count_policy_is_gone(api_client: Any) -> None:
+    """A deleted policy leaves the admission plugin through an informer, a moment after the delete.
+    The count policy judges every user's writes, the admin's too, so until then it would refuse
+    the GPU node counts other modules write as the admin: wait until a dry-run count write passes."""
+    from kubernetes import client
+
+    leases = client.CoordinationV1Api(api_client)
+    body = counted(new_lease(COUNT_LEASE, "default", "count"), 2, "kubernetes.io/hostname", T0)
+
+    def judged_by_the_policy() -> bool:
+        outcome = attempt(lambda: leases.create_namespaced_lease("default", body, dry_run="All"))
+        return outcome.status == 403 and f"ValidatingAdmissionPolicy '{COUNT_POLICY}'" in outcome.message
+
+    wait_for(lambda: not judged_by_the_policy(), POLICY_TIMEOUT, f"the deleted {COUNT_POLICY} to leave admission")
 
 
 @pytest.fixture(scope="module")
