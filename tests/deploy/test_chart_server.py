@@ -109,6 +109,14 @@ def verbs(api_client: Any, objects: list[dict[str, Any]]) -> set[str]:
 
 
 def test_install_upgrade_rollback_uninstall(helm_on_server, control_plane, crds):
+    try:
+        _install_upgrade_rollback_uninstall(helm_on_server, control_plane)
+    finally:
+        # A failure part-way must not leave the release's cluster-wide admission policies behind.
+        helm_on_server.run("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--ignore-not-found")
+
+
+def _install_upgrade_rollback_uninstall(helm_on_server, control_plane) -> None:
     api = control_plane.api_client()
     namespace = {"namespace": {"name": AGENT_NAMESPACE}}
 
