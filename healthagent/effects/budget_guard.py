@@ -167,29 +167,28 @@ class BudgetGuard:
         return self._memo
 
     def confirm(self, now: float) -> Budget:
-        """Right before a disruptive step: one GET of this node's slot, by name. ALLOWS while it
-        still names this node; ROLLBACK when another node holds it now or it is gone (a peer's
-        forged write, a reclaim: the node goes back to held NoSchedule and asks again); HOLDS when
-        it cannot be read (the step waits, the slot is kept)."""
+        """Right before a disruptive step: re-write this node's slot with the version read (a
+        guarded update). A judge measures a slot's age from the last change it saw, so this write
+        restarts every judge's clock: no reclaim can judge the slot stale within
+        ``SLOT_GRACE_SECONDS`` of it, and the node write that follows lands within
+        ``NODE_WRITE_DEADLINE_SECONDS`` or not at all (``effects/backend.py``). ALLOWS when the
+        write lands; ROLLBACK when another node holds the slot now or it is gone (a reclaim, a
+        peer's forged write: the node goes back to held NoSchedule and asks again); HOLDS when it
+        cannot be read or written (the step waits, the slot is kept)."""
         if self._store is None or self.slot is None:
             return Budget.ALLOWS
+        wall = self._wall(now)
         try:
-            current = _slot(self._store.read(self.slot.name), self.scope)
-        except ApiRejected as exc:
-            if exc.status != 404:
-                self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
-                return Budget.HOLDS
-            current = None
+            written, _ = self._write_own(self.slot, lambda lease: held_lease(lease, self._node, wall, acquired=False))
         except ApiError as exc:
             self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
             return Budget.HOLDS
-        if current is not None and current.holder == self._node:
-            self.slot = current
+        if written is not None and written.holder == self._node:
+            self.slot = written
             return Budget.ALLOWS
-        holder = current.holder if current is not None else "nobody (the Lease is gone)"
-        log.warning("effects node=%s budget=slot_lost slot=%s holder=%s: no disruptive step without "
-                    "a slot of its own; back to NoSchedule", self._node, self.slot.name, holder or "nobody")
-        self._tally.count("budget_slot_lost", f"node={self._node} slot {self.slot.name} now held by {holder}")
+        log.warning("effects node=%s budget=slot_lost slot=%s: no disruptive step without a slot of its "
+                    "own; back to NoSchedule", self._node, self.slot.name)
+        self._tally.count("budget_slot_lost", f"node={self._node} slot {self.slot.name} is another node's or gone")
         self.slot, self._memo = None, None
         return Budget.ROLLBACK
 
@@ -202,7 +201,9 @@ class BudgetGuard:
         try:
             lost = self._renew(now)
         except ApiError as exc:
+            # unknown, not kept: ``settle`` re-writes it at the next reconcile (``_renew_due`` stays)
             self._failure(exc, f"cannot re-write budget slot {self.slot.name} after the node write ({exc})")
+            self._upkeep_at = None
             return False
         return lost and self._rolled_back(now)
 
@@ -229,7 +230,9 @@ class BudgetGuard:
                 assert self.slot is not None
                 self._release(self.slot)
         except ApiError as exc:
-            self._upkeep_at = now + self._delay()
+            # a re-write that failed leaves it unknown whether the slot is still this node's: the
+            # next reconcile asks again; a give-back can wait
+            self._upkeep_at = None if renew else now + self._delay()
             self._failure(exc, f"cannot keep the budget's Leases in step with the node ({exc})")
             return False
         except Exception as exc:  # a Lease or a reply no parser foresaw: try again later, never raise
