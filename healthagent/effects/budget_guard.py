@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
@@ -55,6 +56,10 @@ log = logging.getLogger(__name__)
 
 TAKE_ATTEMPTS = 4  # writes for a slot per question; each 409 means another node took one
 FREED_SPREAD_SECONDS = 1.0  # the held nodes that hear of a freed slot look within this, spread out
+# A confirm older than this on the monotonic clock when its node write is about to go (the process
+# stalled between them) is made again first: confirm + margin + the write's deadline (5 + 10 s)
+# stays well inside the 45 s (SLOT_GRACE_SECONDS) a judge waits after the last change it saw.
+CONFIRM_MARGIN_SECONDS = 5.0
 
 
 class BudgetGuard:
@@ -94,6 +99,8 @@ class BudgetGuard:
         self._last_view: BudgetView | None = None
         self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
         self.note = ""  # the last look in words, for the log and the Event
+        self.clock: Callable[[], float] = time.monotonic  # when a confirm was made (``confirm_fresh``)
+        self._confirmed_at: float | None = None
 
     @property
     def _counted(self) -> str:
@@ -184,13 +191,19 @@ class BudgetGuard:
             self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
             return Budget.HOLDS
         if written is not None and written.holder == self._node:
-            self.slot = written
+            self.slot, self._confirmed_at = written, self.clock()
             return Budget.ALLOWS
         log.warning("effects node=%s budget=slot_lost slot=%s: no disruptive step without a slot of its "
                     "own; back to NoSchedule", self._node, self.slot.name)
         self._tally.count("budget_slot_lost", f"node={self._node} slot {self.slot.name} is another node's or gone")
         self.slot, self._memo = None, None
         return Budget.ROLLBACK
+
+    def confirm_fresh(self) -> bool:
+        """Right before the node write: False when the confirm before it is older than
+        ``CONFIRM_MARGIN_SECONDS`` (the caller confirms again instead of writing). Uses it up."""
+        confirmed, self._confirmed_at = self._confirmed_at, None
+        return confirmed is None or self.clock() - confirmed <= CONFIRM_MARGIN_SECONDS
 
     def slot_lost(self, now: float) -> bool:
         """Right after the first node write that landed with a new slot: re-write the slot (a

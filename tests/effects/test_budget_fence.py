@@ -16,6 +16,7 @@ import pytest
 
 from healthagent.effects.backend import NODE_WRITE_DEADLINE_SECONDS, ApiUnavailable
 from healthagent.effects.budget import SLOT_GRACE_SECONDS, slot_name
+from healthagent.effects.budget_guard import CONFIRM_MARGIN_SECONDS
 from tests.effects.budget_helpers import LEASES, NAMESPACE, NODE, cluster, effects, held_by  # noqa: F401
 from tests.effects.helpers import T0, XID95, started
 
@@ -128,3 +129,16 @@ def test_a_failed_rewrite_after_the_node_write_is_tried_again_at_the_next_reconc
     cluster.reset_log()
     holder.reconcile(XID95, T0 + 1, "boot-1")
     assert [(r.method, r.path) for r in cluster.writes(LEASES)] == [("PUT", f"{LEASES}/{slot_name(0)}")]
+
+
+def test_a_confirm_grown_old_before_the_write_is_made_again_instead_of_writing(tmp_path, cluster):
+    """The process stalled between the confirm and its node write (on the monotonic clock): the
+    write is not sent on that confirm; the slot is confirmed again, then the step is written."""
+    holder = started(tmp_path, cluster, **NO_GRACE)
+    ticks = iter([0.0, CONFIRM_MARGIN_SECONDS + 30, 100.0, 100.5])  # confirm, stalled check, confirm, check
+    holder.budget.clock = lambda: next(ticks)
+    holder.reconcile(XID95, T0, "boot-1")
+    writes = [(r.method, r.path) for r in cluster.writes() if r.path.startswith(LEASES) or r.path.endswith(NODE)]
+    assert writes[:4] == [("POST", LEASES), ("PUT", f"{LEASES}/{slot_name(0)}"), ("PUT", f"{LEASES}/{slot_name(0)}"),
+                          ("PATCH", f"/api/v1/nodes/{NODE}")]
+    assert effects(cluster) == {NODE: "NoExecute"}
