@@ -9,6 +9,9 @@ the calls. This module runs the protocol for one node and keeps its timing:
   not be read (fail closed): the node is held at NoSchedule. A held node looks again after a
   jittered interval that stretches while it stays held (``recheck_interval``), or within
   ``FREED_SPREAD_SECONDS`` of a slot coming free (``effects/budget_watch.py`` wakes it).
+- ``confirm`` (right before the disruptive step): a guarded re-write of the slot, which starts
+  every judge's clock again; ``confirm_fresh`` (right before its node write, which carries a
+  server-side deadline): a confirm grown older than ``CONFIRM_MARGIN_SECONDS`` is made again.
 - ``slot_lost`` (right after the first node write that lands with a new slot): re-write the slot,
   so that a reclaim which judged it stale before the node's taint landed fails; True when the slot
   was reclaimed meanwhile, and the node goes back to held NoSchedule.
