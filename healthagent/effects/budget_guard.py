@@ -9,6 +9,9 @@ the calls. This module runs the protocol for one node and keeps its timing:
   not be read (fail closed): the node is held at NoSchedule. A held node looks again after a
   jittered interval that stretches while it stays held (``recheck_interval``), or within
   ``FREED_SPREAD_SECONDS`` of a slot coming free (``effects/budget_watch.py`` wakes it).
+- ``confirm`` (right before the disruptive step): a guarded re-write of the slot, which starts
+  every judge's clock again; ``confirm_fresh`` (right before its node write, which carries a
+  server-side deadline): a confirm grown older than ``CONFIRM_MARGIN_SECONDS`` is made again.
 - ``slot_lost`` (right after the first node write that lands with a new slot): re-write the slot,
   so that a reclaim which judged it stale before the node's taint landed fails; True when the slot
   was reclaimed meanwhile, and the node goes back to held NoSchedule.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
@@ -55,6 +59,10 @@ log = logging.getLogger(__name__)
 
 TAKE_ATTEMPTS = 4  # writes for a slot per question; each 409 means another node took one
 FREED_SPREAD_SECONDS = 1.0  # the held nodes that hear of a freed slot look within this, spread out
+# A confirm older than this on the monotonic clock when its node write is about to go (the process
+# stalled between them) is made again first: confirm + margin + the write's deadline (5 + 10 s)
+# stays well inside the 45 s (SLOT_GRACE_SECONDS) a judge waits after the last change it saw.
+CONFIRM_MARGIN_SECONDS = 5.0
 
 
 class BudgetGuard:
@@ -94,6 +102,8 @@ class BudgetGuard:
         self._last_view: BudgetView | None = None
         self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
         self.note = ""  # the last look in words, for the log and the Event
+        self.clock: Callable[[], float] = time.monotonic  # when a confirm was made (``confirm_fresh``)
+        self._confirmed_at: float | None = None
 
     @property
     def _counted(self) -> str:
@@ -167,31 +177,36 @@ class BudgetGuard:
         return self._memo
 
     def confirm(self, now: float) -> Budget:
-        """Right before a disruptive step: one GET of this node's slot, by name. ALLOWS while it
-        still names this node; ROLLBACK when another node holds it now or it is gone (a peer's
-        forged write, a reclaim: the node goes back to held NoSchedule and asks again); HOLDS when
-        it cannot be read (the step waits, the slot is kept)."""
+        """Right before a disruptive step: re-write this node's slot with the version read (a
+        guarded update). A judge measures a slot's age from the last change it saw, so this write
+        restarts every judge's clock: no reclaim can judge the slot stale within
+        ``SLOT_GRACE_SECONDS`` of it, and the node write that follows lands within
+        ``NODE_WRITE_DEADLINE_SECONDS`` or not at all (``effects/backend.py``). ALLOWS when the
+        write lands; ROLLBACK when another node holds the slot now or it is gone (a reclaim, a
+        peer's forged write: the node goes back to held NoSchedule and asks again); HOLDS when it
+        cannot be read or written (the step waits, the slot is kept)."""
         if self._store is None or self.slot is None:
             return Budget.ALLOWS
+        wall = self._wall(now)
         try:
-            current = _slot(self._store.read(self.slot.name), self.scope)
-        except ApiRejected as exc:
-            if exc.status != 404:
-                self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
-                return Budget.HOLDS
-            current = None
+            written, _ = self._write_own(self.slot, lambda lease: held_lease(lease, self._node, wall, acquired=False))
         except ApiError as exc:
             self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
             return Budget.HOLDS
-        if current is not None and current.holder == self._node:
-            self.slot = current
+        if written is not None and written.holder == self._node:
+            self.slot, self._confirmed_at = written, self.clock()
             return Budget.ALLOWS
-        holder = current.holder if current is not None else "nobody (the Lease is gone)"
-        log.warning("effects node=%s budget=slot_lost slot=%s holder=%s: no disruptive step without "
-                    "a slot of its own; back to NoSchedule", self._node, self.slot.name, holder or "nobody")
-        self._tally.count("budget_slot_lost", f"node={self._node} slot {self.slot.name} now held by {holder}")
+        log.warning("effects node=%s budget=slot_lost slot=%s: no disruptive step without a slot of its "
+                    "own; back to NoSchedule", self._node, self.slot.name)
+        self._tally.count("budget_slot_lost", f"node={self._node} slot {self.slot.name} is another node's or gone")
         self.slot, self._memo = None, None
         return Budget.ROLLBACK
+
+    def confirm_fresh(self) -> bool:
+        """Right before the node write: False when the confirm before it is older than
+        ``CONFIRM_MARGIN_SECONDS`` (the caller confirms again instead of writing). Uses it up."""
+        confirmed, self._confirmed_at = self._confirmed_at, None
+        return confirmed is None or self.clock() - confirmed <= CONFIRM_MARGIN_SECONDS
 
     def slot_lost(self, now: float) -> bool:
         """Right after the first node write that landed with a new slot: re-write the slot (a
@@ -202,7 +217,9 @@ class BudgetGuard:
         try:
             lost = self._renew(now)
         except ApiError as exc:
+            # unknown, not kept: ``settle`` re-writes it at the next reconcile (``_renew_due`` stays)
             self._failure(exc, f"cannot re-write budget slot {self.slot.name} after the node write ({exc})")
+            self._upkeep_at = None
             return False
         return lost and self._rolled_back(now)
 
@@ -229,7 +246,9 @@ class BudgetGuard:
                 assert self.slot is not None
                 self._release(self.slot)
         except ApiError as exc:
-            self._upkeep_at = now + self._delay()
+            # a re-write that failed leaves it unknown whether the slot is still this node's: the
+            # next reconcile asks again; a give-back can wait
+            self._upkeep_at = None if renew else now + self._delay()
             self._failure(exc, f"cannot keep the budget's Leases in step with the node ({exc})")
             return False
         except Exception as exc:  # a Lease or a reply no parser foresaw: try again later, never raise

@@ -387,7 +387,7 @@ class NodeEffects:
         (the node after, the step written, whether it landed)."""
         for attempt in range(self.writer.max_attempts):
             planned = self._step(node, now)
-            written = self.writer.write_node(node, planned.plan, attempt)
+            written = self.writer.write_node(node, planned.plan, attempt, self.budget.confirm_fresh)
             if written.landed:
                 assert written.node is not None
                 return written.node, planned, True

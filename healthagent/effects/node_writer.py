@@ -50,13 +50,19 @@ class NodeWriter:
         self._dry_run = dry_run
         self.writes: Counter = Counter()
 
-    def write_node(self, node: dict, plan: NodePlan, attempt: int) -> NodeWrite:
+    def write_node(self, node: dict, plan: NodePlan, attempt: int,
+                   confirm_fresh: Callable[[], bool] = lambda: True) -> NodeWrite:
         """PATCH ``plan``'s node patch (made against ``node``) once. A conflict is counted and
         backed off (``attempt``: how many came before in this reconcile) and returned as not
         landed, with the fresh node when the conflict carried one. Other API errors are counted
-        and raised (the desired state stays pending)."""
+        and raised (the desired state stays pending). ``confirm_fresh`` False (the budget's
+        confirm is too old): nothing is sent, and the write is not landed (the caller steps again)."""
         if plan.node_patch is None:
             return NodeWrite(node, True)
+        if not confirm_fresh():
+            log.warning("effects node=%s budget=confirm_stale: the slot is confirmed again before the write",
+                        self._node_name)
+            return NodeWrite(node, False)
         reply = self._attempt("node", self._backend.patch_node, (plan.node_patch, node), attempt)
         if isinstance(reply, Conflict):
             return NodeWrite(reply.node, False)

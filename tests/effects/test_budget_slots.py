@@ -173,8 +173,10 @@ def test_a_holder_escalates_past_a_shrunk_limit_and_clearing_never_asks(tmp_path
     cluster.reset_log()
     assert agent.reconcile(XID95, T0 + 120, "boot-1").taint_effect == "NoExecute"  # it holds its slot
     (own,) = held_by(cluster, NODE)
-    # it does not ask again: one GET of its own slot confirms it before the disruptive step
-    assert [r.path for r in cluster.requests("GET", LEASES)] == [f"{LEASES}/{own}"]
+    # it does not ask again: a guarded re-write of its own slot confirms it before the disruptive step
+    assert cluster.requests("GET", LEASES) == []
+    assert [(r.method, r.path) for r in cluster.writes()][:2] == [("PUT", f"{LEASES}/{own}"),
+                                                                 ("PATCH", f"/api/v1/nodes/{NODE}")]
     other = started(tmp_path / "peer", cluster, node="gpu-node-1")
     cluster.update_node("gpu-node-1", lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "t"}))
     status = other.reconcile(cleared_by("t"), T0 + 61, "boot-1")
@@ -238,15 +240,15 @@ def test_a_slot_reclaimed_before_the_write_landed_sends_the_node_back_to_held_no
     agent = started(tmp_path, cluster, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0,
                     hyperpod_labels=True)
     store = agent.budget._store
-    real_read = store.read
+    real_replace = store.replace
 
-    def confirm_then_lose_it(name):
-        confirmed = real_read(name)
+    def confirm_then_lose_it(body):
+        confirmed = real_replace(body)
         steal(cluster, confirmed)
-        store.read = real_read
+        store.replace = real_replace
         return confirmed
 
-    store.read = confirm_then_lose_it
+    store.replace = confirm_then_lose_it
     status = agent.reconcile(XID95, T0, "boot-1")
     assert held_by(cluster, "gpu-node-7") == [slot_name(0)] and held_by(cluster, NODE) == []
     node_writes = [r.body for r in cluster.writes(f"/api/v1/nodes/{NODE}") if not r.path.endswith("/status")]

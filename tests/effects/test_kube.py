@@ -87,7 +87,7 @@ def test_xid95_noschedule_then_noexecute_after_the_grace_with_labels_conditions_
     assert status.taint_effect == "NoExecute"
     assert [t["effect"] for t in our_taints(cluster.node(NODE))] == ["NoExecute"]
     assert len(cluster.events()) == 1
-    assert [r.method for r in cluster.writes()] == ["PATCH"]
+    assert [r.method for r in cluster.writes()] == ["PUT", "PATCH"]  # the slot confirmed by a write, the taint
 
 
 def test_grace_zero_is_noexecute_at_once(tmp_path, cluster):

@@ -49,7 +49,8 @@ Fault switches: ``go_down()``/``come_up()`` (the port really refuses connections
 keep-alive connections are cut), ``set_delay(seconds)`` (every answer is late), ``fail_next(n,
 status=500)`` (the next n requests, watches included, get that status with a matching reason:
 410 ``Expired``, 403 ``Forbidden``, ...), ``conflict_next_writes(n)`` (the next n writes get
-409), ``drop_watches()`` (open watch streams are cut mid-stream, no final chunk),
+409), ``queue_next(method, path, seconds)`` (the next such request counts as queued that long:
+504 Timeout past its ``timeout`` parameter), ``drop_watches()`` (open watch streams are cut mid-stream, no final chunk),
 ``compact()`` (forget the watch history: resuming from any older version is a 410),
 ``hold_watch_cache()``/``release_watch_cache()`` (the watch cache stops at the current state, as
 one lagging behind etcd does: cache-served lists answer from it, except a NotOlderThan list for a

@@ -22,6 +22,18 @@ class FaultsMixin:
     def set_delay(self, seconds: float) -> None:
         self._delay = seconds
 
+    def queue_next(self, method: str, path: str, seconds: float) -> None:
+        """The next ``method`` request to ``path`` counts as having waited ``seconds`` in the
+        server's queue (no real wait: the test runs what happens meanwhile itself). A request whose
+        ``timeout`` query parameter is shorter gets 504 Timeout and changes nothing, as
+        kube-apiserver answers a request past its deadline; any other is served as usual."""
+        with self._lock:
+            self._queued[(method, path)] = seconds
+
+    def _take_queued(self, method: str, path: str) -> float:
+        with self._lock:
+            return self._queued.pop((method, path), 0.0)
+
     def fail_next(self, n: int, status: int = 500) -> None:
         """The next ``n`` requests get ``status`` (a Status with the reason the real server gives)."""
         with self._lock:

@@ -54,6 +54,10 @@ class _Handler(BaseHTTPRequestHandler):
                 status, answer = 400, ApiError(400, "BadRequest", "request body is not JSON").status()
         if self.fake._delay > 0:
             self.fake._stopping.wait(self.fake._delay)
+        queued = self.fake._take_queued(method, split.path)
+        if answer is None and queued and queued > _seconds(query.get("timeout", "")):
+            status, answer = 504, ApiError(504, "Timeout", "the request did not complete within the allotted "
+                                                          "timeout").status()
         if answer is None:
             status, answer = self.fake.handle(method, split.path, query, content_type, body,
                                               self.headers.get("Accept") or "")
@@ -139,3 +143,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:  # noqa: N802
         self._serve("DELETE")
+
+
+def _seconds(duration: str) -> float:
+    """A ``timeout`` query parameter as Go's ``time.ParseDuration`` reads the simple forms ("10s",
+    "1m", "500ms"); none or unreadable is no deadline."""
+    for unit, scale in (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0)):
+        if duration.endswith(unit):
+            try:
+                return float(duration[:-len(unit)]) * scale
+            except ValueError:
+                return float("inf")
+    return float("inf")

@@ -44,6 +44,7 @@ class KubeFake(FaultsMixin, WatchMixin, NodesMixin, LeasesMixin, EventsMixin, Re
         self._fail_status = 500
         self._conflict_next = 0
         self._delay = 0.0
+        self._queued: dict[tuple[str, str], float] = {}  # (method, path): seconds the next one waits in line
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
