@@ -142,16 +142,24 @@ class ApiBackend:
                 raise Conflict(f"changed since read: {', '.join(moved)}", node=fresh) from None
             raise
 
-    def _patch_node_within_deadline(self, ops: list, _preload_content: bool, _request_timeout: Any) -> Any:
-        """The typed ``patch_node`` with ``timeout=NODE_WRITE_DEADLINE_SECONDS`` added to its query
-        (the typed call has no parameter for it): the request as client 37 builds it, sent as it sends it."""
-        method, url, headers, body, post = self.core._patch_node_serialize(
-            name=self.node_name, body=ops, pretty=None, dry_run=None, field_manager=None, field_validation=None,
-            force=None, _request_auth=None, _content_type=JSON_PATCH, _headers=None, _host_index=0)
-        url += ("&" if "?" in url else "?") + f"timeout={NODE_WRITE_DEADLINE_SECONDS}s"
-        return self.core.api_client._call_with_legacy_options(
-            (method, url, headers, body, post), {"200": "V1Node", "201": "V1Node", "401": None}, None,
-            _preload_content, _request_timeout, None)
+    def _patch_node_within_deadline(self, ops: list, _preload_content: bool = False,
+                                    _request_timeout: Any = None) -> Any:
+        """The JSON patch of ``patch_node`` with ``timeout=NODE_WRITE_DEADLINE_SECONDS`` in its query
+        (the typed call has no parameter for it), built and sent by the client's own serializer."""
+        # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
+        from kubernetes.client.exceptions import ApiException
+
+        api = self.core.api_client
+        method, url, headers, body, _ = api.param_serialize(
+            method="PATCH", resource_path="/api/v1/nodes/{name}", path_params={"name": self.node_name},
+            query_params=[("timeout", f"{NODE_WRITE_DEADLINE_SECONDS}s")],
+            header_params={"Content-Type": JSON_PATCH, "Accept": "application/json"}, body=ops,
+            auth_settings=["BearerToken"])
+        response = api.call_api(method, url, header_params=headers, body=body, _request_timeout=_request_timeout)
+        if not 200 <= response.status <= 299:
+            response.read()
+            raise ApiException.from_response(http_resp=response, body=None, data=None)
+        return response.response
 
     def patch_node_status(self, patch: dict) -> dict:
         return self._call(self.core.patch_node_status, self.node_name, patch, _content_type=STRATEGIC_MERGE)
