@@ -41,6 +41,7 @@ CLIENT_CALLS = {
     ("leases", "patch_namespaced_lease"): ("coordination.k8s.io", "leases", "patch"),
     ("leases", "delete_namespaced_lease"): ("coordination.k8s.io", "leases", "delete"),
     ("raw", "GET /api/v1/nodes"): ("", "nodes", "list"),
+    ("raw", "PATCH /api/v1/nodes/{name}"): ("", "nodes", "patch"),  # the node write with a deadline
 }
 ROLES = {"healthagent-events": ("events.k8s.io", "events"), "healthagent-budget": ("coordination.k8s.io", "leases")}
 VERB_ORDER = ["get", "list", "watch", "create", "update", "patch", "delete"]
