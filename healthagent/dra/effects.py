@@ -121,6 +121,7 @@ class DraEffects:
         self.quarantined: Mapping[str, str] = {}  # device path -> effect now on it
         self._shown: dict = {}  # device path -> (DeviceRef, effect)
         self.fallbacks: tuple[str, ...] = ()
+        self._leftovers = True  # an earlier run may have left rules: looked at until a pass finds none
 
     # -- the Effects protocol: the node's part delegated -------------------------------------------
 
@@ -155,7 +156,11 @@ class DraEffects:
 
     def reconcile(self, verdict: Verdict, now: float, boot_id: str,
                   health: "tuple[SourceHealth, ...] | list[SourceHealth]" = (), wall: float | None = None) -> KubeStatus:
-        self._refresh(now)
+        # The cluster is asked only while there is something for DRA to do: a GPU-scope finding to
+        # place, or a quarantine (of this run, or left by an earlier one) to keep or lift. A healthy
+        # node costs the API server nothing here, as its node watch costs nothing.
+        if self._leftovers or self.quarantined or split_verdict(verdict, self.scope, None).fallbacks:
+            self._refresh(now)
         split = split_verdict(verdict, self.scope, self.devices if self.served else None)
         status = self.inner.reconcile(split.node_verdict, now, boot_id, health=health, wall=wall)
         self._say_fallbacks(split)
@@ -184,8 +189,9 @@ class DraEffects:
             self.served = self.api.serves_rules()
             self.devices = device_map(self.api.slices(), self.node_name) if self.served else None
             self._refreshed_at = now
+            self._leftovers = self._leftovers and bool(self.served)  # not served: no rule can exist
         except ApiRejected as exc:  # 403: the DRA component (its RBAC) is not installed: not served to us
-            self.served, self.devices, self._refreshed_at = False, None, now
+            self.served, self.devices, self._refreshed_at, self._leftovers = False, None, now, False
             if "forbidden" not in self._said:
                 self._said.add("forbidden")
                 log.warning("dra node=%s cannot read ResourceSlices (%s): GPU findings act on the node; "
@@ -212,7 +218,7 @@ class DraEffects:
             want[spec0.name] = (quarantine, rule_spec(self.node_name, quarantine,
                                                       effect_now(quarantine, since, now, self.grace_seconds)))
         present = {}
-        if want or self.quarantined or self._refreshed_at == now:
+        if self.served and (want or self.quarantined or self._refreshed_at == now):
             for rule in self.api.rules():
                 spec = spec_of(rule)
                 name = (rule.get("metadata") or {}).get("name")
@@ -240,6 +246,8 @@ class DraEffects:
                 self._announced.add(name)
         self._shown = shown
         self.quarantined = {path: effect for path, (_, effect) in shown.items()}
+        if self._refreshed_at == now:
+            self._leftovers = False  # this pass listed the node's rules and removed those unwanted
 
     def _announce(self, quarantine: Any, effect: str, wall: float) -> None:
         first = quarantine.findings[0]

@@ -149,3 +149,32 @@ def test_a_restarted_agent_keeps_the_eviction_and_removes_what_cleared(dra_plane
     rules = _rules(dra_plane, node)
     assert [(r["spec"]["deviceSelector"]["device"], r["spec"]["taint"]["effect"]) for r in rules] == [
         ("gpu-3", "NoExecute")]  # an eviction is never taken back; the cleared GPU's rule is gone
+
+
+class _CountingApi(DraApi):
+    """The real DraApi, counting the requests it makes."""
+
+    calls = 0
+
+    def _call(self, fn, *args, **kwargs):
+        type(self).calls += 1
+        return super()._call(fn, *args, **kwargs)
+
+
+def test_a_healthy_node_asks_the_cluster_nothing_for_dra_after_its_first_pass(dra_plane, tmp_path):
+    """Steady state costs nothing: once the first pass found no rule left by an earlier run, a
+    node without GPU-scope findings makes no DRA request, however often it reconciles; a GPU
+    finding makes it ask again."""
+    node = "dra-quiet"
+    effects = _agent(dra_plane, tmp_path, node, ScopePolicy())
+    effects.api = _CountingApi(effects.api.custom.api_client, node)
+    healthy = Verdict.of([], T0)
+    for step in range(0, 600, 5):  # ten minutes of reconciles, past several refresh intervals
+        effects.reconcile(healthy, T0 + step, "boot-1")
+    first_pass = _CountingApi.calls
+    assert first_pass > 0  # the first pass looked for leftovers
+    for step in range(600, 1800, 5):
+        effects.reconcile(healthy, T0 + step, "boot-1")
+    assert _CountingApi.calls == first_pass
+    effects.reconcile(Verdict.of([gpu_finding(3)], T0 + 1800), T0 + 1800, "boot-1")
+    assert _CountingApi.calls > first_pass and len(_rules(dra_plane, node)) == 1
