@@ -103,7 +103,19 @@ def _family(metric: spec.MetricSpec, readers: dict[str, list[str]]) -> str:
     return item(f"{code(metric.full_name)} ({metric.type}; {labels}):", text)
 
 
+def _record_groups(metrics: tuple[spec.MetricSpec, ...]) -> list[str]:
+    """The rule groups whose recording rules read any of ``metrics``, in the file's order."""
+    names = {m.full_name for m in metrics}
+    found = [rule.group for rule in rules() if not rule.is_alert and any(
+        name.removesuffix(suffix) in names for name in metrics_of(rule) for suffix in HISTOGRAM_SUFFIXES)]
+    return list(dict.fromkeys(found))
+
+
 def _section(title: str, intro: str, metrics: tuple[spec.MetricSpec, ...], readers: dict[str, list[str]]) -> list[str]:
+    groups = _record_groups(metrics)
+    if groups:
+        intro += " Fleet views of them are the recording rules of " + ", ".join(
+            f"[group `{g}`](alerts.md#{anchor(f'Group `{g}`')})" for g in groups) + "."
     return [f"## {title}", ""] + ([wrap(intro), ""] if intro else []) + [
         _family(m, readers) for m in metrics] + [""]
 
@@ -156,7 +168,7 @@ def render() -> str:
                       (spec.COLLECT_DURATION, spec.BUILD_INFO), readers)
     lines += _efa(readers)
     lines += _infiniband(readers)
-    lines += _section("Training", "Per job, from the training intake's reports (docs/training.md).",
+    lines += _section("Training", "Per job, from the training intake's reports ([training.md](../training.md)).",
                       spec.TRAINING, readers)
     text = "\n".join(lines).rstrip("\n") + "\n"
     return text + "\n" + "\n".join(_definitions(text)) + "\n"
