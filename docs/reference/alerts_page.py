@@ -3,7 +3,8 @@ the Alertmanager routes of alerts/alertmanager.yaml, with the receivers each ale
 
 The receivers are worked out from the route tree as Alertmanager walks it (first matching branch,
 ``continue`` goes on), so the table says where an alert lands without a reader walking the tree;
-tests/test_references.py checks that walk against ``amtool config routes test``.
+tests/test_references_current.py checks that walk against the amtool cases of
+alerts/routes-tests.yaml.
 """
 
 from __future__ import annotations
