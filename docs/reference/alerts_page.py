@@ -109,8 +109,13 @@ def receivers_for(labels: dict[str, str], route: dict | None = None) -> list[str
     return found or [route["receiver"]]
 
 
+INHERITED = ("receiver", "group_by", "group_wait", "group_interval", "repeat_interval")
+
+
 def _branches(route: dict, depth: int = 0) -> Iterator[tuple[int, dict]]:
+    """Every branch under ``route``, depth first, with what it inherits from its parents filled in."""
     for child in route.get("routes", []):
+        child = {**{k: route[k] for k in INHERITED if k in route}, **child}
         yield depth, child
         yield from _branches(child, depth + 1)
 
@@ -167,10 +172,9 @@ def _routes() -> list[str]:
              "", "| matchers | receiver | continue | group_wait | repeat_interval |", "| --- | --- | --- | --- | --- |"]
     for depth, branch in _branches(route):
         matchers = ", ".join(code(m) for m in branch.get("matchers", [])) or "-"
-        lines.append(row(("&nbsp;&nbsp;" * depth + matchers, code(branch.get("receiver", route["receiver"])),
-                          "yes" if branch.get("continue") else "no",
-                          branch.get("group_wait", route.get("group_wait", "-")),
-                          branch.get("repeat_interval", route.get("repeat_interval", "-")))))
+        lines.append(row(("&nbsp;&nbsp;" * depth + matchers, code(branch["receiver"]),
+                          "yes" if branch.get("continue") else "no", branch.get("group_wait", "-"),
+                          branch.get("repeat_interval", "-"))))
     lines += ["", "Inhibitions:", ""]
     for rule in config.get("inhibit_rules", []):
         lines.append(item(", ".join(code(m) for m in rule.get("source_matchers", [])) + " mutes "
