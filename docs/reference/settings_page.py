@@ -50,9 +50,7 @@ def _flag(action: argparse.Action) -> str:
         return code(action.metavar or action.dest)
     name = max(action.option_strings, key=len)
     metavar = action.metavar or ("{" + ",".join(action.choices) + "}" if action.choices else action.dest.upper())
-    takes_value = action.nargs != 0 and not isinstance(action, (argparse._StoreConstAction,
-                                                                 argparse._StoreTrueAction))
-    return code(f"{name} {metavar}" if takes_value else name)
+    return code(f"{name} {metavar}" if action.nargs != 0 else name)  # a switch takes no value
 
 
 def _setting_flags() -> dict[str, dict[str, list[str]]]:
@@ -111,7 +109,7 @@ def _flags_section() -> list[str]:
         if parser.description:
             lines += [wrap(parser.description), ""]
         for action in parser._actions:
-            if isinstance(action, argparse._HelpAction):
+            if action.dest == "help":
                 continue
             text = (action.help or "") + _default_of(action)
             lines.append(item(_flag(action) + ":", text))
