@@ -1,6 +1,6 @@
 """EFA network: per-device traffic, retransmits, timeouts, remote-peer events and port presence.
 
-Counters come from the EFA driver's sysfs hw_counters (docs/metrics.md lists them);
+Counters come from the EFA driver's sysfs hw_counters (docs/reference/metrics.md lists them);
 every one is cumulative, so panels show rates or per-interval increases. Port state is hard-coded
 ACTIVE by the driver: the "Port state" panel really shows whether the device is still there.
 """

@@ -1,7 +1,7 @@
 """InfiniBand and RoCE fabric: each port's state, rate, traffic, link flaps, errors and congestion,
 and the ConnectX (mlx5) adapter events the agent read in the kernel log.
 
-Counters carry node_exporter's infiniband names under the agent's prefix (docs/metrics.md), with
+Counters carry node_exporter's infiniband names under the agent's prefix (docs/reference/metrics.md), with
 the labels ``device`` and ``port``; every one is cumulative, so panels show rates or per-interval
 increases. Unlike EFA, a port's state is real here: "Port state" shows a link that is down.
 

@@ -1,7 +1,8 @@
 """Write docs/reference/findings.md from the finding catalog (healthagent/policy/findings.csv).
 
-    python docs/reference/generate_findings.py          # rewrite docs/reference/findings.md
-    python docs/reference/generate_findings.py --check  # exit 1 when the file is stale
+    python docs/reference/generate.py                    # rewrite every reference page, this one too
+    python docs/reference/generate_findings.py           # rewrite docs/reference/findings.md only
+    python docs/reference/generate_findings.py --check   # exit 1 when the file is stale
 
 Generated, not written by hand: a copy of the catalog drifts. The output is deterministic, so the
 test suite renders it and compares it with the committed file.
@@ -13,16 +14,20 @@ import argparse
 import sys
 from pathlib import Path
 
+from page_text import COMMAND, first_line
+
 from healthagent.effects.conditions import VOCABULARIES
 from healthagent.policy.debounce import BUILT_IN
 from healthagent.policy.finding_catalog import CATALOG_FILE, CatalogRow, catalog_rows
 
 TARGET = Path(__file__).with_name("findings.md")
-HEADER = f"""# Finding codes (generated)
+HEADER = f"""{first_line(f"`healthagent/policy/{CATALOG_FILE}`")}
 
-Generated from `healthagent/policy/{CATALOG_FILE}` by `docs/reference/generate_findings.py`; do not
-edit by hand. The runbook of each code is its section in [findings.md](../findings.md);
-`healthagent explain CODE` prints the same row with the policy in force.
+# Finding codes (generated)
+
+Generated from `healthagent/policy/{CATALOG_FILE}` by `{COMMAND}`; do not edit by hand.
+The runbook of each code is its section in [findings.md](../findings.md); `healthagent explain CODE`
+prints the same row with the policy in force.
 
 Columns: the node condition a finding turns (default vocabulary / `eks`), the action it demands
 (`per event`: the XID or ConnectX catalog decides), when it opens by default (the `findings:` rule
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = TARGET.read_text(encoding="utf-8") if TARGET.exists() else ""
         if current != text:
-            print(f"{TARGET} is stale: run python docs/reference/generate_findings.py", file=sys.stderr)
+            print(f"{TARGET} is stale: run {COMMAND}", file=sys.stderr)
             return 1
         return 0
     TARGET.write_text(text, encoding="utf-8")

@@ -91,7 +91,7 @@ def running_agent(node: DemoNode, settings: Settings) -> Iterator[AgentRuntime]:
 
 
 def demo_settings(node: DemoNode, workdir: Path, listen: str = "127.0.0.1:0", **overrides: object) -> Settings:
-    """The agent's settings for the demo node (docs/metrics.md counts the series they give);
+    """The agent's settings for the demo node (docs/reference/metrics.md counts the series they give);
     ``overrides``: settings of a variant of the demo (the InfiniBand node's name and policy file)."""
     return load_settings(env={}, flags={
         "host_root": str(node.root), "kube": "dry-run", "listen": listen,

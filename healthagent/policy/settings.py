@@ -93,7 +93,18 @@ THRESHOLDS: dict[str, Threshold] = {
 }
 
 _NUMBER = re.compile(r"[0-9]{1,64}")  # ASCII digits only: str.isdigit() also takes "٩٤" and "²"
-TOP_LEVEL_KEYS = ("xid", "sxid", "disabled_rules", "thresholds", "findings", "mlx5", "rdma_ports", "scope")
+# The file's sections and what each says (docs/reference/settings.md is generated from this table).
+SECTIONS: dict[str, str] = {
+    "xid": "XID number -> action; overrides the bundled catalog row (xid_catalog.csv)",
+    "sxid": "NVSwitch SXid number -> action (default monitor)",
+    "disabled_rules": "a list of the finding codes whose rules do not run",
+    "thresholds": "tunable numbers by name (the thresholds table)",
+    "findings": "when each finding may open: count, window, after_boot_grace per code (debounce.py)",
+    "mlx5": "ConnectX (mlx5) kernel-log event -> action; overrides mlx5_events.csv",
+    "rdma_ports": "InfiniBand/RoCE ports that must be up, and their rate (rdma_ports_file.py)",
+    "scope": "gpu or node per code or action, gpu_quarantine_max, and the device taints' effects (scope.py)",
+}
+TOP_LEVEL_KEYS = tuple(SECTIONS)
 # The driver's XID and SXid fields: the kernel-log parser reads at most nine digits (a longer
 # number is a malformed line), so a rule for a larger one could never match anything.
 MAX_XID = 999_999_999

@@ -111,13 +111,14 @@ HW_NAMES: dict[str, str] = {
     "rx_icrc_encapsulated": "rx_icrc_encapsulated_errors_total",
 }
 _UNSAFE = re.compile(r"[^a-z0-9_]+")
+COUNTER_HELP = "InfiniBand/RoCE counter {file} (cumulative; data counters in octets)."
 
 
 def _spec(name: str, kind: str, labels: str, text: str) -> MetricSpec:
     return MetricSpec("infiniband_" + name, kind, tuple(labels.split()), text)
 
 
-# The fixed families (the counters' families follow their files: docs/metrics.md has the pattern).
+# The fixed families (the counters' families follow their files: docs/reference/metrics.md lists them).
 RDMA: tuple[MetricSpec, ...] = (
     _spec("info", "gauge", "device board_id firmware_version hca_type",
           "1 for every InfiniBand/RoCE device the agent reads (as node_exporter's)."),
@@ -184,8 +185,7 @@ def _columns(ports: tuple[RdmaPort, ...], folded: tuple[RdmaPort, ...] = ()) -> 
 
 
 def _counter(name: str, file: str, rows: tuple) -> Metric:
-    family = CounterMetricFamily(name, f"InfiniBand/RoCE counter {file} (cumulative; data counters in octets).",
-                                 labels=list(LABELS))
+    family = CounterMetricFamily(name, COUNTER_HELP.format(file=file), labels=list(LABELS))
     for labels, value in rows:
         family.add_metric(list(labels), value)
     return family

@@ -23,7 +23,7 @@ from tests.support.alert_claims import ALERTS_DOC, Behaviour, contradictions
 from tests.support.observability import REPO, alert_rules, load_rules, recording_rules
 
 GENERATED = REPO / "deploy" / "base" / "generated" / "prometheusrule.yaml"
-METRICS_DOC = REPO / "docs" / "metrics.md"
+METRICS_DOC = REPO / "docs" / "reference" / "metrics.md"
 ALERTS = alert_rules()
 
 
@@ -162,7 +162,8 @@ def test_the_adapter_alert_fires_for_exactly_the_catalogs_reboot_node_events():
 
 # -- the recording rules the docs name ----------------------------------------------------------------
 
-DOCS_WITH_RULES = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+DOCS_WITH_RULES = sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "docs" / "reference").glob("*.md")) + [
+    REPO / "README.md"]
 
 
 def _named_in_docs(pattern: str) -> set[tuple[str, str]]:
@@ -184,7 +185,7 @@ def test_every_recording_rule_the_docs_name_exists():
     assert {(doc, name) for doc, name in named if name not in records} == set()
 
 
-def test_the_metrics_doc_names_the_group_of_the_remediation_records():
+def test_the_metrics_reference_links_the_remediation_metrics_to_the_group_of_their_records():
     group = next(g for g in load_rules()["groups"] if any("record" in r and "remediation" in r["record"]
                                                          for r in g["rules"]))
-    assert f"group `{group['name']}`" in METRICS_DOC.read_text(encoding="utf-8")
+    assert f"alerts.md#group-{group['name']}" in METRICS_DOC.read_text(encoding="utf-8")

@@ -57,7 +57,7 @@ CONTRACT: list[tuple[str, str, tuple[str, ...]]] = [
     ("training_jobs_evicted_total", "counter", ()),
 ] + [(f"efa_{c}_total", "counter", ("efa_device", "port")) for c in EFA_COUNTERS if c != "lifespan"]
 
-# Added beyond the first list (documented in docs/metrics.md); same conventions.
+# Added beyond the first list (documented in docs/reference/metrics.md); same conventions.
 EXTRAS = [
     ("training_rendezvous_total", "counter", ("job",)),
     ("training_jobs", "gauge", ()),

@@ -173,7 +173,7 @@ def test_unknown_throttle_reason_and_fallen_off_bus_are_not_dropped():
 
 
 def test_series_for_the_demo_node_stay_bounded():
-    """docs/metrics.md states the count; a per-pod or per-rank label would blow through this."""
+    """docs/reference/metrics.md states the count; a per-pod or per-rank label would blow through this."""
     telemetry = Telemetry("1")
     for source in ("nvml", "efa", "kmsg", "dcgm"):
         telemetry.observe_collect(source, 0.01)
