@@ -18,7 +18,9 @@ half a second; it never touches the loop's data except through the bounded queue
 Error kinds counted in ``SourceHealth.errors``: ``unavailable`` (init failed), ``nvml_error`` (a
 call failed for another reason than the above), ``lost``, ``vanished``, ``parse`` (unreadable PCI
 id), ``event_gpu_lost`` / ``event_error`` (the event set had to be rebuilt), ``events_dropped``
-(queue full), ``callback_error`` (``on_event`` raised), ``exception`` (a bug; collect still returned).
+(queue full), ``callback_error`` (``on_event`` raised), ``inconsistent`` (the count or the
+identities changed twice during one walk: no GPU is judged gone from it), ``exception`` (a bug;
+collect still returned).
 """
 
 from __future__ import annotations
@@ -144,9 +146,15 @@ class NvmlSource:
                 self._teardown()
                 self._next_init_at = 0.0
             return self._result(False, detail)
-        self._unreadable = []
-        enumerated = [s for s in (self._read_gpu(index, now) for index in range(count)) if s is not None]
-        vanished = self._vanished(enumerated, now)
+        enumerated, consistent = self._walk(count, now)
+        if not consistent:  # the count changed under the walk (a GPU left or came): walk once more
+            count = self._count_or(count)
+            enumerated, consistent = self._walk(count, now)
+        if not consistent:
+            self.tally.count("inconsistent", f"the GPU count or identities changed twice during one walk ({count} GPUs)")
+        # Which GPU left is judged only from a walk that agrees with itself: a walk torn by a
+        # change mixes indexes from before and after it and would name the wrong GPU.
+        vanished = self._vanished(enumerated, now) if consistent else []
         self._note_losses(enumerated, vanished)
         self._remember(enumerated)
         samples = enumerated + vanished
@@ -162,6 +170,20 @@ class NvmlSource:
             # error): they are there, so never GPU_MISSING, and unobserved, so never healthy.
             result = replace(result, health=replace(result.health, unobserved=tuple(self._unreadable)))
         return result
+
+    def _walk(self, count: int, now: float) -> tuple[list[GpuSample], bool]:
+        """Read GPUs 0..count-1; consistent when the count after the walk is the count before
+        it and no UUID appears twice (NVML renumbers the GPUs after one that leaves)."""
+        self._unreadable = []
+        enumerated = [s for s in (self._read_gpu(index, now) for index in range(count)) if s is not None]
+        uuids = [s.uuid for s in enumerated if s.uuid]
+        return enumerated, self._count_or(-1) == count and len(uuids) == len(set(uuids))
+
+    def _count_or(self, fallback: int) -> int:
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError:
+            return fallback
 
     def _init(self) -> bool:
         mono = time.monotonic()

@@ -162,6 +162,21 @@ def test_gpu_vanishing_from_the_count_becomes_a_lost_sample(lib, scenario):
 
 
 @pytest.mark.integration
+def test_a_gpu_leaving_in_the_middle_of_a_walk_is_named_right(lib, scenario):
+    """GPU 3 leaves while the source is reading GPU 5: the walk mixes indexes from before and
+    after, so it is read again, and the one GPU judged gone is GPU 3, never one that moved."""
+    first, removed_uuid, second = run_steps(lib, scenario, [
+        {"op": "collect"}, {"op": "remove_gpu_during_walk", "gpu": 3, "at_index": 5}, {"op": "collect"},
+    ], {"expected_gpus": 8})
+    assert _gpu(first, 3)["uuid"] == removed_uuid
+    lost = [g for g in second["gpus"] if g["lost"]]
+    assert [g["uuid"] for g in lost] == [removed_uuid]
+    assert second["health"]["errors"]["vanished"] == 1
+    assert sorted(g["uuid"] for g in second["gpus"] if not g["lost"]) == sorted(
+        g["uuid"] for g in first["gpus"] if g["uuid"] != removed_uuid)
+
+
+@pytest.mark.integration
 def test_counters_changing_between_collects_are_read_fresh(lib, scenario):
     first, *_, second = run_steps(lib, scenario, [
         {"op": "collect"},

@@ -113,6 +113,23 @@ class _Driver:
 
         pynvml.nvmlDeviceGetHandleByIndex = denied
 
+    def op_remove_gpu_during_walk(self, gpu: int, at_index: int) -> str:
+        """Remove GPU ``gpu`` from the scenario the moment the source asks for the handle of
+        ``at_index``, once: a GPU leaving in the middle of one walk, which the stub cannot time."""
+        import pynvml
+
+        real = pynvml.nvmlDeviceGetHandleByIndex
+        removed: list[str] = []
+
+        def tearing(index):
+            if int(index) == at_index and not removed:
+                removed.append(gpu)
+                self.stub_nvml.remove_gpu(self.scenario, gpu)
+            return real(index)
+
+        pynvml.nvmlDeviceGetHandleByIndex = tearing
+        return self.stub_nvml.load_scenario(self.scenario)["gpus"][gpu]["uuid"]
+
     # scenario mutations (the public helpers)
     def op_inject_xid(self, gpu: int, xid: int, **kwargs: Any) -> int:
         return self.stub_nvml.inject_xid(self.scenario, gpu, xid, **kwargs)
