@@ -45,7 +45,8 @@ from healthagent.model import (
     XidCount,
     XidEvent,
 )
-from healthagent.effects.stage import NodeSide, StageHistory, stage_of, started
+from healthagent.effects.stage import NodeSide, stage_of
+from healthagent.stage_history import StageHistory, started
 from healthagent.sources.base import EventSource, Source, SourceResult, XidEventQueue
 from healthagent.sources.kernel_log.wake import DataWaiter, Doorbell
 

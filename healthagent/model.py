@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Mapping
 from healthagent.model_adapter import AdapterCount, AdapterEvent
 
 if TYPE_CHECKING:
-    from healthagent.effects.stage import StageHistory
+    from healthagent.stage_history import StageHistory
 
 
 class Action(str, enum.Enum):
@@ -494,5 +494,5 @@ class AgentSnapshot:
     # policy | http | loop. Exported as healthagent_internal_errors_total.
     internal_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
     names_folded: Mapping[str, int] = field(default_factory=dict)  # by source (bounded_names)
-    # The remediation stage and its history (``effects/stage.py``); None before the loop's first.
+    # The remediation stage and its history (``stage_history.py``); None before the loop's first.
     stage: "StageHistory | None" = None

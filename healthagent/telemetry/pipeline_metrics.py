@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from prometheus_client.core import Metric
 
-from healthagent.effects.stage import DURATION_BUCKETS, HEALTHY, STAGES, USUAL_MOVES, Durations
+from healthagent.stage_history import DURATION_BUCKETS, HEALTHY, STAGES, USUAL_MOVES, Durations
 from healthagent.model import AgentSnapshot
 
 
