@@ -70,7 +70,7 @@ class BudgetGuard:
 
     def __init__(self, leases: LeaseStore | None, *, node_name: str, evidence: Evidence, selector: str,
                  max_fraction: float, max_nodes: int | None, recheck_seconds: float, tally: ErrorTally,
-                 rng: random.Random, scope_label: str = "", grace_seconds: float = 120.0,
+                 rng: random.Random, grace_seconds: float, scope_label: str = "",
                  wake: Callable[[], None] | None = None, watch: bool = True) -> None:
         """``leases`` None: dry-run (no cluster view). ``scope_label``: count the budget per value
         of this node label (``Scope``; its value is read from the node at ``startup``).

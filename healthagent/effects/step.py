@@ -14,8 +14,8 @@ condition), and ``state``, the state once the plan is on the node (the taint rec
 time its grace started, an applied operator clear, the budget episode).
 
 What the node tells (``observe``): a recreated object (new uid) forgets the applied taint; the
-agent's taint on the node is adopted (its grace start from ``timeAdded`` when the state has
-none); the agent's confirmed taint gone while the agent still wants it is an operator's clear,
+agent's taint on the node is adopted (its grace starting at first sight on the decision clock when
+the state has none: ``node_desired.grace_start``); the agent's confirmed taint gone while the agent still wants it is an operator's clear,
 which the step writes to the node as the clear annotation ("taint-removed-<time>") so that it is
 a fact about the node like any other clear; a condition of the agent's types that another writer
 owns is noticed once and left alone.
@@ -163,7 +163,7 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
         state = replace(state, node_uid=uid)
     ours = owned_taints(node, ctx.settings.taint_key)
     if ours:
-        state, adopted = _adopt(state, node, ours, now, wall, ctx.settings.taint_key)
+        state, adopted = _adopt(state, node, ours, now, ctx.settings.taint_key)
         if adopted:
             notes.append(Note(INFO, f"effects node={ctx.node_name} adopted taint from the node "
                                     f"value={state.taint.value if state.taint else '-'}"))
@@ -183,13 +183,13 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
     return state, tuple(events), tuple(notes)
 
 
-def _adopt(state: EffectsState, node: dict, ours: list[dict], now: float, wall: float,
+def _adopt(state: EffectsState, node: dict, ours: list[dict], now: float,
            taint_key: str) -> tuple[EffectsState, bool]:
     main = max(ours, key=lambda t: (t.get("value") == Action.REPLACE_NODE.value, t.get("effect") == NO_EXECUTE))
     value, effect = str(main.get("value") or ""), str(main.get("effect") or "")
     recorded = state.taint
     if recorded is None or recorded.value != value:
-        since = grace_start(node, taint_key, recorded.since if recorded else None, now, wall)
+        since = grace_start(node, taint_key, recorded.since if recorded else None, now)
         return replace(state, taint=AppliedTaint(value, effect, now if since is None else since)), True
     if recorded.effect != effect:
         return replace(state, taint=replace(recorded, effect=effect)), False

@@ -146,15 +146,18 @@ def test_replace_taint_is_sticky_even_when_the_state_is_lost(tmp_path, cluster):
     effects.reconcile(HEALTHY, T0 + 10, "boot-1")  # the classifier forgot; the taint must stay
     assert [t["value"] for t in our_taints(cluster.node(NODE))] == ["replace_node"]
     shutil.rmtree(tmp_path / "state")
-    fresh = started(tmp_path, cluster)
+    fresh = start_effects(settings_for(tmp_path, NODE), cluster)
+    fresh.startup(T0 + 50, "boot-2")  # first sight of the taint without a record
     fresh.reconcile(HEALTHY, T0 + 50, "boot-2")
     node = cluster.node(NODE)
     assert [(t["value"], t["effect"]) for t in our_taints(node)] == [("replace_node", "NoSchedule")]
     assert node["metadata"]["labels"][HEALTH_LABEL] == "replace-required"
     gpu = condition(node, "GpuHealthy")
     assert (gpu["status"], gpu["reason"]) == ("False", "ReplacePending") and "kubectl annotate" in gpu["message"]
-    # the grace is counted from the taint's timeAdded on the node, not restarted
-    assert fresh.reconcile(HEALTHY, T0 + 121, "boot-2").taint_effect == "NoExecute"
+    # without a record the grace starts at first sight on the decision clock, and runs in full
+    assert fresh.reconcile(HEALTHY, T0 + 121, "boot-2").taint_effect == "NoSchedule"
+    assert fresh.reconcile(HEALTHY, T0 + 50 + 119, "boot-2").taint_effect == "NoSchedule"
+    assert fresh.reconcile(HEALTHY, T0 + 50 + 120, "boot-2").taint_effect == "NoExecute"
 
 
 @pytest.mark.parametrize("storm", [3, 20])
@@ -240,7 +243,9 @@ def test_restart_after_the_writes_but_before_the_state_was_saved(tmp_path, clust
     assert node_writes(cluster) == []
     assert [(r.method, r.status) for r in cluster.requests("POST", EVENTS)] == [("POST", 409)]
     assert len(cluster.events()) == 1 and status.writes == {("event", "conflict"): 1}
-    assert second.reconcile(XID95, T0 + 120, "boot-1").taint_effect == "NoExecute"  # grace from timeAdded
+    # the record was lost with the state write: the grace starts again at first sight (T0 + 5)
+    assert second.reconcile(XID95, T0 + 120, "boot-1").taint_effect == "NoSchedule"
+    assert second.reconcile(XID95, T0 + 125, "boot-1").taint_effect == "NoExecute"
 
 
 def test_foreign_taints_labels_annotations_and_conditions_are_untouched(tmp_path, cluster):
