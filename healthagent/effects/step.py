@@ -46,6 +46,7 @@ from healthagent.effects.node_desired import (
     NO_EXECUTE,
     NO_SCHEDULE,
     TAINT_ACTIONS,
+    carries_no_execute,
     grace_start,
     owned_taints,
     reboot_outstanding,
@@ -87,6 +88,10 @@ class Note:
     text: str
 
 
+TAKE, CONFIRM = "take", "confirm"  # the budget exchanges a step may ask for before its write
+BUDGET_WORDS = "<the budget's answer>"  # in a held report until the exchange has answered (``Step.told``)
+
+
 @dataclass(frozen=True)
 class Step:
     observed: EffectsState  # what the node told: kept whether or not the plan lands
@@ -94,7 +99,26 @@ class Step:
     plan: NodePlan
     noticed: tuple[EventSpec, ...]  # Events about what was observed
     events: tuple[EventSpec, ...]  # Events once the plan lands
-    notes: tuple[Note, ...]
+    notes: tuple[Note, ...]  # the observation's lines, then those once the plan lands
+    seen_notes: tuple[Note, ...] = ()  # the observation's lines alone (the plan did not land)
+    # The one budget exchange this step asks for before its write: "" (none), ``TAKE`` (a slot,
+    # for a disruptive step ahead) or ``CONFIRM`` (the slot held, right before the disruptive
+    # step). This step is what to write when the exchange allows; ``refused`` what to write
+    # under each other answer.
+    exchange: str = ""
+    refused: "tuple[tuple[Budget, Step], ...]" = ()
+
+    def under(self, answer: Budget) -> "Step":
+        """What to write once the exchange answered ``answer``."""
+        return next((s for budget, s in self.refused if budget is answer), self)
+
+    def told(self, words: str) -> "Step":
+        """This step with the budget's answer in words in its held report (the exchange's look)."""
+        if not any(BUDGET_WORDS in e.note for e in self.events) and not any(BUDGET_WORDS in n.text
+                                                                             for n in self.notes):
+            return self
+        return replace(self, events=tuple(replace(e, note=e.note.replace(BUDGET_WORDS, words)) for e in self.events),
+                       notes=tuple(replace(n, text=n.text.replace(BUDGET_WORDS, words)) for n in self.notes))
 
 
 def report_findings(state: EffectsState, findings: Iterable[Finding], wall: float,
@@ -278,10 +302,29 @@ def _budget_episode(state: EffectsState, plan: NodePlan, wall: float,
 
 def step(state: EffectsState, verdict: Verdict | None, node: dict, budget: Budget, now: float, wall: float,
          ctx: StepContext) -> Step:
-    """Observe ``node``, plan against it with the budget's answer, and say what the state is once
-    the plan lands. Pure: the same inputs give the same ``Step``."""
+    """Observe ``node``, plan against it, and say what the state is once the plan lands, and which
+    budget exchange the plan needs first. Pure: the same inputs give the same ``Step``.
+
+    ``budget`` is what the driver knows without asking: ``ALLOWS`` (the node holds a slot),
+    ``ROLLBACK`` (its slot was reclaimed before its taint landed), ``UNASKED`` (no slot) or
+    ``HOLDS``. With no slot and a disruptive step ahead the step asks to ``TAKE`` one; holding one
+    with the disruptive step in this write, to ``CONFIRM`` it. Each answer's plan is made here, so
+    the driver steps once and writes what the answer selects (``Step.under``)."""
     observed, noticed, seen_notes = observe(state, node, verdict, now, wall, ctx)
-    plan = plan_for(observed, verdict, node, budget, now, wall, ctx)
-    after, events, notes = landed(observed, plan, node, verdict, now, wall, ctx)
-    return Step(observed=observed, state=after, plan=plan, noticed=noticed, events=events,
-                notes=seen_notes + notes)
+
+    def planned(answer: Budget) -> Step:
+        basis = replace(observed, rollback=True) if answer is Budget.ROLLBACK else observed
+        plan = plan_for(basis, verdict, node, answer, now, wall, ctx)
+        after, events, notes = landed(basis, plan, node, verdict, now, wall, ctx)
+        return Step(observed=basis, state=after, plan=plan, noticed=noticed, events=events,
+                    notes=seen_notes + notes, seen_notes=seen_notes)
+
+    if budget is Budget.UNASKED and asks_budget(observed, verdict, node, ctx.settings):
+        return replace(planned(Budget.ALLOWS), exchange=TAKE, refused=((Budget.HOLDS, planned(Budget.HOLDS)),))
+    chosen = planned(budget)
+    taint = chosen.plan.taint
+    if budget is Budget.ALLOWS and taint.disruptive_ready and chosen.plan.writes and \
+            not carries_no_execute(node, ctx.settings.taint_key):
+        return replace(chosen, exchange=CONFIRM, refused=((Budget.HOLDS, planned(Budget.HOLDS)),
+                                                          (Budget.ROLLBACK, planned(Budget.ROLLBACK))))
+    return chosen
