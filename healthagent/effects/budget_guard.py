@@ -4,20 +4,22 @@
 the calls. This module runs the protocol for one node and keeps its timing:
 
 - ``holds_slot``: whether this node holds a slot, as last read or written (no request).
-- ``ask`` (while the node holds no slot and its plan has a disruptive step ahead, at most once per
-  reconcile): ALLOWS when a slot is taken now (a write, which counts as a confirm); HOLDS when every slot is held, or the budget could
-  not be read (fail closed): the node is held at NoSchedule. A held node looks again after a
-  jittered interval that stretches while it stays held (``recheck_interval``), or within
-  ``FREED_SPREAD_SECONDS`` of a slot coming free (``effects/budget_watch.py`` wakes it).
-- ``confirm`` (right before the disruptive step): a guarded re-write of the slot, which starts
-  every judge's clock again; ``confirm_fresh`` (right before its node write, which carries a
-  server-side deadline): a confirm grown older than ``CONFIRM_MARGIN_SECONDS`` is made again.
-- ``slot_lost`` (right after the first node write that lands with a new slot): re-write the slot,
-  so that a reclaim which judged it stale before the node's taint landed fails; True when the slot
-  was reclaimed meanwhile, and the node goes back to held NoSchedule.
+- ``ask`` (the ``take`` exchange: the node holds no slot and its plan has a disruptive step
+  ahead; at most once per reconcile): ALLOWS when a slot is written now (a take is a confirm);
+  HOLDS when every slot is held, or the budget could not be read (fail closed): the node is held
+  at NoSchedule. A held node looks again after a jittered interval that stretches while it stays
+  held (``recheck_interval``), or within ``FREED_SPREAD_SECONDS`` of a slot coming free
+  (``effects/budget_watch.py`` wakes it).
+- ``confirm`` (the ``confirm`` exchange, right before the disruptive step): a guarded re-write of
+  the slot, which starts every judge's clock again; ``confirm_fresh`` (right before the node
+  write, which carries a server-side deadline): a slot write grown older than
+  ``CONFIRM_MARGIN_SECONDS`` sends nothing, and the next reconcile confirms again.
 - ``settle`` (after every reconcile that left the node as planned): give the slot back when the
-  plan wants none any more (no agent taint: healed, cleared; or no disruptive step left), finish
-  a re-write that failed. Nothing of this asks the API server in a steady state.
+  plan wants none any more (no agent taint: healed, cleared; or no disruptive step left); re-write
+  a slot taken in this reconcile once the node's taint is on, so that a reclaim which judged it
+  stale before the taint landed fails (found reclaimed meanwhile: the node goes back to held
+  NoSchedule), and finish a re-write that failed. Nothing of this asks the API server in a
+  steady state.
 - ``startup``: which slot this node holds (a restart forgets it), a slot for a NoExecute already
   on the node without one (its Lease deleted by hand) if one is free.
 

@@ -4,9 +4,11 @@ Everything the write side decides is here, over values: the ``EffectsState`` (``
 the verdict, the node as last seen (watch, read or a write's reply), the budget's answer, the
 decision-clock time ``now`` and the wall time ``wall`` (for what the API and people read). No
 I/O, no clock read, no logging: what a person should read comes back as ``notes``, the Events as
-``EventSpec``s. ``effects/kube.py`` is the driver that reads the node, asks the budget when
-``asks_budget`` says the plan has a disruptive step ahead and the node holds no slot, writes the
-plan, keeps the state the API server confirmed, and loops on a conflict.
+``EventSpec``s. ``effects/kube.py`` is the driver that reads the node, runs ``step`` once, makes
+the one budget exchange the step asks for (``TAKE`` a slot when the plan has a disruptive step
+ahead and the node holds none, ``CONFIRM`` the slot right before the disruptive step), writes the
+plan that answer selects (``Step.under``: each answer's plan is made here, so a refused exchange
+needs no second step), and keeps the state the API server confirmed.
 
 A step has two outcomes: ``observed``, what the node told (kept whether or not the write lands:
 an adopted taint, a recreated Node object, a taint removed by hand, another writer of a
@@ -14,8 +16,9 @@ condition), and ``state``, the state once the plan is on the node (the taint rec
 time its grace started, an applied operator clear, the budget episode).
 
 What the node tells (``observe``): a recreated object (new uid) forgets the applied taint; the
-agent's taint on the node is adopted (its grace starting at first sight on the decision clock when
-the state has none: ``node_desired.grace_start``); the agent's confirmed taint gone while the agent still wants it is an operator's clear,
+agent's taint on the node is adopted (its grace starting at first sight on the decision clock
+when the state has none: ``node_desired.grace_start``); the agent's confirmed taint gone while
+the agent still wants it is an operator's clear,
 which the step writes to the node as the clear annotation ("taint-removed-<time>") so that it is
 a fact about the node like any other clear; a condition of the agent's types that another writer
 owns is noticed once and left alone.

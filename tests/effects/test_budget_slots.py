@@ -41,8 +41,8 @@ from tests.effects.budget_helpers import (  # noqa: F401 (cluster: a fixture)
     peer_holds,
     tainted,
 )
-from tests.effects.helpers import (HEALTHY, T0, TAINT_KEY, XID95, Wakes, cleared_by, condition, finding, our_taints, settings_for,
-                                   start_effects, started, verdict)
+from tests.effects.helpers import (HEALTHY, T0, TAINT_KEY, XID95, Wakes, cleared_by, condition, finding, our_taints,
+                                   settings_for, start_effects, started, verdict)
 
 pytestmark = pytest.mark.integration
 
