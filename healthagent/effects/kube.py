@@ -11,32 +11,11 @@ The node as last seen is a cache kept current by ONE watch on the agent's own no
 (``effects/node_watch.py``, started by ``startup``): operator actions and foreign changes arrive
 as they happen, and one that touches what the agent owns or the clear annotation calls
 ``on_change`` so the loop reconciles at once. In steady state that is zero writes, zero reads and
-one open watch. While the watch is down, the effects read the node before stepping when the last
-read is ``resync_seconds`` old or a write failed; a write carries ``test`` preconditions on what it
-replaces, so a node changed meanwhile is a conflict, never a lost change.
+one open watch. While the watch is down, the effects read the node before a step that may write
+(a new verdict, a grace's end or a budget look due, a write that failed) and at least every
+``resync_seconds``; a write carries ``test`` preconditions on what it replaces (a conflict).
 
-One reconcile, in this order (drawn in docs/design.md):
-
-1. **read**: the node from the watch cache, else a GET (above); queue an Event for each finding
-   not reported yet or escalated.
-2. **step**: the pure ``effects/step.py`` ``step``, exactly once, against that node, with what
-   the budget guard knows without asking (a slot held, a rollback). It returns the plan, the
-   state once the plan lands, and the one budget exchange the plan needs with the plan to write
-   under each answer.
-3. **the budget exchange** the step asked for, at most one: ``take`` a slot (a disruptive step
-   ahead and no slot: a Lease write) or ``confirm`` the slot held (right before the disruptive
-   step: a guarded re-write). The reclaim inside a take judges a stale slot from reads done
-   before it (``effects/budget_reclaim.py``). The answer selects the plan to write.
-4. **write**: the node PATCH at most once (a slot's write older than ``CONFIRM_MARGIN_SECONDS``
-   by then: not sent), then the ``/status`` PATCH. A conflict ends the reconcile with the fresh
-   node the conflict carried and calls ``on_change``: the next reconcile starts again at 1.
-5. **settle**: the slot in step with the node as written (given back when no longer wanted;
-   re-written once after a take, so a reclaim that read it before the taint landed fails: found
-   reclaimed, the node goes back to held NoSchedule on the next reconcile, called at once).
-
-Then the queued Events are delivered and the state saved. All of it is one frozen
-``DriverState`` (``effects/driver_state.py``: the record, the ledger, the budget's knowledge, the
-read and write bookkeeping), replaced once per reconcile; the object holds only wiring.
+One reconcile is one sequence, read -> step -> budget exchange -> write -> settle (``NodeEffects``).
 
 What the verdict could not see (``Verdict.unobserved``) is never taken for health: an area
 unobserved says ``Unknown`` (``GpuNotObserved``, ``NetworkNotObserved``), the health label ``unknown``,
@@ -103,11 +82,30 @@ MAX_ATTEMPTS = 6  # writes per object per reconcile before giving up until the n
 class NodeEffects:
     """Taint, labels, conditions and Events of the agent's own node (``settings.node_name``).
 
-    The driver of the pure ``effects/step.py``, in the order the module text gives. Its state is
-    one ``DriverState``; its attributes are wiring set at construction (``on_change`` by the
-    loop's effects worker, before the first reconcile). The other parts, one job each:
-    ``BudgetGuard`` answers the budget exchange, ``NodeWriter`` writes a plan, the ``NodeWatch``
-    keeps the node cache current."""
+    The driver of the pure ``effects/step.py``. One reconcile, in this order:
+
+    1. **read**: the node from the watch cache, else a GET (the module text); queue an Event for each finding
+       not reported yet or escalated.
+    2. **step**: the pure ``effects/step.py`` ``step``, exactly once, against that node, with what
+       the budget guard knows without asking (a slot held, a rollback). It returns the plan, the
+       state once the plan lands, and the one budget exchange the plan needs with the plan to write
+       under each answer.
+    3. **the budget exchange** the step asked for, at most one: ``take`` a slot (a disruptive step
+       ahead and no slot: a Lease write) or ``confirm`` the slot held (right before the disruptive
+       step: a guarded re-write). The reclaim inside a take judges a stale slot from reads done
+       before it (``effects/budget_reclaim.py``). The answer selects the plan to write.
+    4. **write**: the node PATCH at most once (a slot's write older than ``CONFIRM_MARGIN_SECONDS``
+       by then: not sent), then the ``/status`` PATCH. A conflict ends the reconcile with the fresh
+       node the conflict carried and calls ``on_change``: the next reconcile starts again at 1.
+    5. **settle**: the slot in step with the node as written (given back when no longer wanted;
+       re-written once after a take, so a reclaim that read it before the taint landed fails: found
+       reclaimed, the node goes back to held NoSchedule on the next reconcile, called at once).
+
+    Then the queued Events are delivered and the state saved. All of it is one frozen
+    ``DriverState`` (``effects/driver_state.py``: the record, the ledger, the budget's knowledge,
+    the read and write bookkeeping), replaced once per reconcile. The attributes are wiring set at
+    construction (``on_change`` by the loop's effects worker, before the first reconcile):
+    ``BudgetGuard`` answers the exchange, ``NodeWriter`` writes, ``NodeWatch`` keeps the cache."""
 
     def __init__(
         self,
