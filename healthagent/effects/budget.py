@@ -180,7 +180,11 @@ def parse_gpu_nodes(text: object) -> int | None:
 
 @dataclass(frozen=True)
 class Slot:
-    """One slot Lease as read: who holds it, since when (its last write), at which version."""
+    """One slot Lease as read: who holds it, since when (its last write), at which version.
+
+    ``since`` is the holder's wall time, for people: no duration that leads to an action is
+    measured from it (a reclaim judges the slot's age from when this agent first saw its
+    version, on its own decision clock: ``effects/budget_reclaim.py``)."""
 
     index: int
     holder: str  # "" = free
@@ -195,7 +199,10 @@ class Slot:
 
 @dataclass(frozen=True)
 class GpuCount:
-    """A budget's count of GPU nodes (its count Lease, written by the counter), as read."""
+    """A budget's count of GPU nodes (its count Lease, written by the counter), as read.
+
+    ``counted_at`` is the counter's wall time (``renewTime``), for people: an agent never
+    measures a duration from it, and the count's age plays no part in any decision."""
 
     nodes: int | None  # None: never counted, or by another selector
     counted_at: float | None

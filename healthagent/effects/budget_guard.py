@@ -4,26 +4,33 @@
 the calls. This module runs the protocol for one node and keeps its timing:
 
 - ``holds_slot``: whether this node holds a slot, as last read or written (no request).
-- ``ask`` (while the node holds no slot and its plan has a disruptive step ahead, at most once per
-  reconcile): ALLOWS when a slot is taken now; HOLDS when every slot is held, or the budget could
-  not be read (fail closed): the node is held at NoSchedule. A held node looks again after a
-  jittered interval that stretches while it stays held (``recheck_interval``), or within
-  ``FREED_SPREAD_SECONDS`` of a slot coming free (``effects/budget_watch.py`` wakes it).
-- ``confirm`` (right before the disruptive step): a guarded re-write of the slot, which starts
-  every judge's clock again; ``confirm_fresh`` (right before its node write, which carries a
-  server-side deadline): a confirm grown older than ``CONFIRM_MARGIN_SECONDS`` is made again.
-- ``slot_lost`` (right after the first node write that lands with a new slot): re-write the slot,
-  so that a reclaim which judged it stale before the node's taint landed fails; True when the slot
-  was reclaimed meanwhile, and the node goes back to held NoSchedule.
+- ``ask`` (the ``take`` exchange: the node holds no slot and its plan has a disruptive step
+  ahead; at most once per reconcile): ALLOWS when a slot is written now (a take is a confirm);
+  HOLDS when every slot is held, or the budget could not be read (fail closed): the node is held
+  at NoSchedule. A held node looks again after a jittered interval that stretches while it stays
+  held (``recheck_interval``), or within ``FREED_SPREAD_SECONDS`` of a slot coming free
+  (``effects/budget_watch.py`` wakes it).
+- ``confirm`` (the ``confirm`` exchange, right before the disruptive step): a guarded re-write of
+  the slot, which starts every judge's clock again; ``confirm_fresh`` (right before the node
+  write, which carries a server-side deadline): a slot write grown older than
+  ``CONFIRM_MARGIN_SECONDS`` sends nothing, and the next reconcile confirms again.
 - ``settle`` (after every reconcile that left the node as planned): give the slot back when the
-  plan wants none any more (no agent taint: healed, cleared; or no disruptive step left), finish
-  a re-write that failed. Nothing of this asks the API server in a steady state.
+  plan wants none any more (no agent taint: healed, cleared; or no disruptive step left); re-write
+  a slot taken in this reconcile once the node's taint is on, so that a reclaim which judged it
+  stale before the taint landed fails (found reclaimed meanwhile: the node goes back to held
+  NoSchedule), and finish a re-write that failed. Nothing of this asks the API server in a
+  steady state.
 - ``startup``: which slot this node holds (a restart forgets it), a slot for a NoExecute already
   on the node without one (its Lease deleted by hand) if one is free.
 
 The limit comes from the count Lease that only the budget counter writes (``budget_counter.py``);
 the agent reads it in the same list as the slots and never counts nodes itself, so a decision
 costs the same at 100 nodes and at 10,000.
+
+What the guard knows (the slot held, the timing of its looks, what its judge saw of the others'
+slots) is one frozen value, ``GuardState``, part of the effects' state (``effects/driver_state.py``):
+each call takes the state and returns the next one; the guard keeps only its wiring (the Lease
+store, the settings, the watch thread), and reads the driver's current state for the properties.
 
 In dry-run there is no cluster view: every question allows and nothing is written.
 """
@@ -33,6 +40,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
@@ -50,7 +58,7 @@ from healthagent.effects.budget import (
     slot_name,
 )
 from healthagent.effects.budget_leases import LeaseStore
-from healthagent.effects.budget_reclaim import Evidence, Reclaimer
+from healthagent.effects.budget_reclaim import Evidence, Reclaimer, ReclaimMemory
 from healthagent.effects.budget_watch import SlotWatch
 from healthagent.effects.node_desired import carries_no_execute, owned_taints
 from healthagent.effects.plan import Budget
@@ -65,22 +73,41 @@ FREED_SPREAD_SECONDS = 1.0  # the held nodes that hear of a freed slot look with
 CONFIRM_MARGIN_SECONDS = 5.0
 
 
+@dataclass(frozen=True)
+class GuardState:
+    """What the budget guard knows, as one value (times on the decision clock, but
+    ``confirmed_at``: the monotonic clock of ``BudgetGuard.clock``)."""
+
+    scope: Scope = Scope()
+    scope_read: bool = False  # the node's value of the scope label is read (startup, else ask)
+    slot: Slot | None = None  # the slot this node holds, as last read or written
+    memo: Budget | None = None  # this reconcile's answer
+    recheck_at: float | None = None  # held (or a NoExecute without a slot): no look before
+    holds: int = 0  # looks in a row that found no slot
+    renew_due: bool = False  # a slot taken (or its re-write failed): re-write it once the node write lands
+    upkeep_at: float | None = None  # a failed release/re-write/count: not before this
+    last_view: BudgetView | None = None
+    note: str = ""  # the last look in words, for the log and the Event
+    confirmed_at: float | None = None  # when the slot was last written (``confirm_fresh``)
+    reclaim: ReclaimMemory = ReclaimMemory()
+
+
 class BudgetGuard:
     """May this node take its disruptive step (does it hold a slot), and the slot's upkeep."""
 
     def __init__(self, leases: LeaseStore | None, *, node_name: str, evidence: Evidence, selector: str,
                  max_fraction: float, max_nodes: int | None, recheck_seconds: float, tally: ErrorTally,
-                 rng: random.Random, scope_label: str = "", grace_seconds: float = 120.0,
-                 wake: Callable[[], None] | None = None, watch: bool = True) -> None:
+                 rng: random.Random, grace_seconds: float, scope_label: str = "",
+                 wake: Callable[[], None] | None = None, watch: bool = True,
+                 state: Callable[[], GuardState] | None = None) -> None:
         """``leases`` None: dry-run (no cluster view). ``scope_label``: count the budget per value
         of this node label (``Scope``; its value is read from the node at ``startup``).
         ``grace_seconds``: the grace before a disruptive step, which a holder may not pass
         without taking it, and ``evidence`` what shows that step (``effects/budget_reclaim.py``).
         ``wake``: called from the budget's watch thread when a slot frees while the node is held
-        (``watch=False``: no watch, the timed looks only)."""
+        (``watch=False``: no watch, the timed looks only). ``state``: reads the owner's current
+        ``GuardState`` (for the properties); None: ``initial()``."""
         self._store = leases
-        self.scope = Scope(scope_label)
-        self._scope_read = False  # the node's value of the scope label is read (startup, else ask)
         self._node = node_name
         self.evidence = evidence
         self._taint_key = evidence.taint_key
@@ -90,93 +117,116 @@ class BudgetGuard:
         self._recheck_seconds = recheck_seconds
         self._tally = tally
         self._rng = rng
-        self.slot: Slot | None = None  # the slot this node holds, as last read or written
-        self._memo: Budget | None = None  # this reconcile's answer
-        self.recheck_at: float | None = None  # held (or a NoExecute without a slot): no look before
-        self._holds = 0  # looks in a row that found no slot
-        self._renew_due = False  # a slot taken (or its re-write failed): re-write it once the node write lands
-        self._upkeep_at: float | None = None  # a failed release/re-write/count: not before this
+        self._scope_label = scope_label
         self._reclaim = Reclaimer(node_name, evidence, grace_seconds, rng)
         self._watch = SlotWatch(leases if watch else None, node_name=node_name, tally=tally, rng=random.Random(),
                                 on_freed=wake)
-        self._last_view: BudgetView | None = None
-        self.wall_offset = 0.0  # wall time minus decision time in this step: Lease times are wall
-        self.note = ""  # the last look in words, for the log and the Event
+        self._state = state if state is not None else self.initial
         self.clock: Callable[[], float] = time.monotonic  # when a confirm was made (``confirm_fresh``)
-        self._confirmed_at: float | None = None
+
+    def initial(self) -> GuardState:
+        """The state before the first look: no slot known."""
+        return GuardState(scope=Scope(self._scope_label))
+
+    # -- the current state, for people and the metrics (read-only) ---------------------------------
 
     @property
-    def _counted(self) -> str:
-        """The node selector of the GPU nodes this budget counts."""
-        return self.scope.node_selector(self._selector)
+    def slot(self) -> Slot | None:
+        return self._state().slot
 
-    def begin(self) -> None:
-        """A new reconcile: the next question looks again (unless a held node must wait)."""
-        self._memo = None
+    @property
+    def scope(self) -> Scope:
+        return self._state().scope
+
+    @property
+    def note(self) -> str:
+        return self._state().note
+
+    @property
+    def recheck_at(self) -> float | None:
+        return self._state().recheck_at
 
     @property
     def holds_slot(self) -> bool:
         """Does this node hold a slot (as last read or written)? Always in dry-run, which has no
         cluster view and decides as if it did."""
-        return self._store is None or self.slot is not None
+        return self.held(self._state())
 
-    def startup(self, node: dict, now: float) -> None:
+    def held(self, g: GuardState) -> bool:
+        return self._store is None or g.slot is not None
+
+    def figures(self) -> dict[str, Any]:
+        """The budget as last read, for the metrics: scope, limit and slots held (None before a
+        look, and always in dry-run)."""
+        g = self._state()
+        view = g.last_view
+        return {"budget_scope": g.scope.value if g.scope.label else "",
+                "budget_limit": view.limit if view is not None else None,
+                "budget_slots_held": len(view.holders) if view is not None else None}
+
+    # -- the calls -----------------------------------------------------------------------------------
+
+    def begin(self, g: GuardState) -> GuardState:
+        """A new reconcile: the next question looks again (unless a held node must wait)."""
+        return replace(g, memo=None)
+
+    def startup(self, g: GuardState, node: dict, now: float, wall: float) -> GuardState:
         """Which slot this node holds; a free one for a NoExecute of the agent's already on the
-        node without one (it counts); then ``settle`` (a slot without a taint goes back). Never raises an API error: a failed look is counted and the first question
-        looks again."""
+        node without one (it counts); then ``settle`` (a slot without a taint goes back). Never
+        raises an API error: a failed look is counted and the first question looks again."""
         if self._store is None:
-            return
-        self.scope, self._scope_read = self.scope.of(node), True
+            return g
+        g = replace(g, scope=g.scope.of(node), scope_read=True)
         try:
-            view = self._look(now)
+            g, view = self._look(g, now)
             held = view.held_by(self._node)
-            self.slot = held[0] if held else None
             # A slot held by a node without the agent's taint: the last run took it and stopped
             # before its node write landed. ``settle`` gives it back below; should that fail, the
             # slot is re-written after the first node write that lands, as for a slot just taken,
             # so a reclaim that judged it stale meanwhile cannot let a second node through.
-            self._renew_due = self.slot is not None and not owned_taints(node, self._taint_key)
-            if self.slot is None and carries_no_execute(node, self._taint_key):
-                self._adopt(view, now)
+            slot = held[0] if held else None
+            g = replace(g, slot=slot, renew_due=slot is not None and not owned_taints(node, self._taint_key))
+            if slot is None and carries_no_execute(node, self._taint_key):
+                g = self._adopt(g, view, now, wall)
         except ApiError as exc:
             self._failure(exc, f"cannot read the budget's Leases at start ({exc})")
-            return
-        self.settle(node, now, wants_slot=bool(owned_taints(node, self._taint_key)))
+            return g
+        g, _ = self.settle(g, node, now, wall, wants_slot=bool(owned_taints(node, self._taint_key)))
+        return g
 
-    def ask(self, now: float, node: dict | None = None) -> Budget:
-        """ALLOWS or HOLDS for the node's disruptive step; ALLOWS means this node holds a slot.
-        ``node``: its pool is read there when ``startup`` could not read the node."""
+    def ask(self, g: GuardState, now: float, wall: float, node: dict | None = None) -> tuple[GuardState, Budget]:
+        """ALLOWS or HOLDS for the node's disruptive step; ALLOWS means this node holds a slot it
+        has just written (a take is a confirm). ``node``: its pool is read there when ``startup``
+        could not read the node."""
         if self._store is None:
-            return Budget.ALLOWS
-        if node is not None and not self._scope_read:
-            self.scope, self._scope_read = self.scope.of(node), True
-        if self._memo is not None:
-            return self._memo
-        if self.slot is not None:
-            self._memo = Budget.ALLOWS
-            return self._memo
-        if self.recheck_at is not None and now < self.recheck_at:
+            return g, Budget.ALLOWS
+        if node is not None and not g.scope_read:
+            g = replace(g, scope=g.scope.of(node), scope_read=True)
+        if g.memo is not None:
+            return g, g.memo
+        if g.recheck_at is not None and now < g.recheck_at:
             if self._watch.take_freed():  # a slot came free: look soon
-                self.recheck_at = min(self.recheck_at, now + self._rng.uniform(0.0, FREED_SPREAD_SECONDS))
-            return Budget.HOLDS
+                g = replace(g, recheck_at=min(g.recheck_at, now + self._rng.uniform(0.0, FREED_SPREAD_SECONDS)))
+            return g, Budget.HOLDS
         try:
-            slot = self._take(self._look(now), now)
+            g, view = self._look(g, now)
+            g, slot = self._take(g, view, now, wall)
         except ApiError as exc:
             self._failure(exc, f"cannot read or take a budget slot ({exc}); the node stays at NoSchedule")
-            self.note = f"the budget's Leases could not be read or written ({exc})"
-            self._memo = Budget.HOLDS
-            return self._memo
+            g = replace(g, note=f"the budget's Leases could not be read or written ({exc})", memo=Budget.HOLDS)
+            return g, Budget.HOLDS
         except Exception as exc:  # a Lease no parser foresaw: fail closed, never abort the node's write
             log.exception("effects node=%s budget=unreadable", self._node)
             self._tally.count("budget_unreadable", f"node={self._node} {exc!r}; the node stays at NoSchedule")
-            self.note = f"the budget's Leases could not be understood ({exc!r})"
-            self._memo = Budget.HOLDS
-            return self._memo
-        self._memo = self._answer(slot, now)
-        self._renew_due = slot is not None
-        return self._memo
+            g = replace(g, note=f"the budget's Leases could not be understood ({exc!r})", memo=Budget.HOLDS)
+            return g, Budget.HOLDS
+        g = self._answer(g, slot, now)
+        if slot is not None:
+            g = replace(g, renew_due=True, confirmed_at=self.clock())
+        g = replace(g, memo=Budget.ALLOWS if slot is not None else Budget.HOLDS)
+        return g, g.memo
 
-    def confirm(self, now: float) -> Budget:
+    def confirm(self, g: GuardState, now: float, wall: float) -> tuple[GuardState, Budget]:
         """Right before a disruptive step: re-write this node's slot with the version read (a
         guarded update). A judge measures a slot's age from the last change it saw, so this write
         restarts every judge's clock: no reclaim can judge the slot stale within
@@ -185,207 +235,177 @@ class BudgetGuard:
         write lands; ROLLBACK when another node holds the slot now or it is gone (a reclaim, a
         peer's forged write: the node goes back to held NoSchedule and asks again); HOLDS when it
         cannot be read or written (the step waits, the slot is kept)."""
-        if self._store is None or self.slot is None:
-            return Budget.ALLOWS
-        wall = self._wall(now)
+        if self._store is None or g.slot is None:
+            return g, Budget.ALLOWS
+        slot = g.slot
         try:
-            written, _ = self._write_own(self.slot, lambda lease: held_lease(lease, self._node, wall, acquired=False))
+            written, _ = self._write_own(g, slot, lambda lease: held_lease(lease, self._node, wall, acquired=False))
         except ApiError as exc:
-            self._failure(exc, f"cannot confirm budget slot {self.slot.name} ({exc})")
-            return Budget.HOLDS
+            self._failure(exc, f"cannot confirm budget slot {slot.name} ({exc})")
+            return g, Budget.HOLDS
         if written is not None and written.holder == self._node:
-            self.slot, self._confirmed_at = written, self.clock()
-            return Budget.ALLOWS
+            return replace(g, slot=written, confirmed_at=self.clock()), Budget.ALLOWS
         log.warning("effects node=%s budget=slot_lost slot=%s: no disruptive step without a slot of its "
-                    "own; back to NoSchedule", self._node, self.slot.name)
-        self._tally.count("budget_slot_lost", f"node={self._node} slot {self.slot.name} is another node's or gone")
-        self.slot, self._memo = None, None
-        return Budget.ROLLBACK
+                    "own; back to NoSchedule", self._node, slot.name)
+        self._tally.count("budget_slot_lost", f"node={self._node} slot {slot.name} is another node's or gone")
+        return replace(g, slot=None, memo=None), Budget.ROLLBACK
 
-    def confirm_fresh(self) -> bool:
-        """Right before the node write: False when the confirm before it is older than
-        ``CONFIRM_MARGIN_SECONDS`` (the caller confirms again instead of writing). Uses it up."""
-        confirmed, self._confirmed_at = self._confirmed_at, None
-        return confirmed is None or self.clock() - confirmed <= CONFIRM_MARGIN_SECONDS
+    def confirm_fresh(self, g: GuardState) -> bool:
+        """Right before the node write: False when the slot's last write (a take or a confirm) is
+        older than ``CONFIRM_MARGIN_SECONDS`` (the write is not sent: the next reconcile confirms
+        again). The caller uses it up afterwards (``confirm_used``)."""
+        return g.confirmed_at is None or self.clock() - g.confirmed_at <= CONFIRM_MARGIN_SECONDS
 
-    def slot_lost(self, now: float) -> bool:
-        """Right after the first node write that landed with a new slot: re-write the slot (a
-        reclaim that read it before fails now). True when it was reclaimed meanwhile: the node
-        goes back to held NoSchedule. No request unless a re-write is due."""
-        if self._store is None or self.slot is None or not self._renew_due:
-            return False
-        try:
-            lost = self._renew(now)
-        except ApiError as exc:
-            # unknown, not kept: ``settle`` re-writes it at the next reconcile (``_renew_due`` stays)
-            self._failure(exc, f"cannot re-write budget slot {self.slot.name} after the node write ({exc})")
-            self._upkeep_at = None
-            return False
-        return lost and self._rolled_back(now)
+    @staticmethod
+    def confirm_used(g: GuardState) -> GuardState:
+        return replace(g, confirmed_at=None)
 
-    def settle(self, node: dict, now: float, wants_slot: bool) -> bool:
+    def settle(self, g: GuardState, node: dict, now: float, wall: float,
+               wants_slot: bool) -> tuple[GuardState, bool]:
         """After a reconcile that left the node as planned: give the slot back when the plan wants
-        none (``NodePlan.wants_slot``: no agent taint, or no disruptive step left), finish a
-        re-write that failed. A steady state makes no request. True when
-        that re-write finds the slot reclaimed: the node goes back to held NoSchedule, as with
-        ``slot_lost``."""
+        none (``NodePlan.wants_slot``: no agent taint, or no disruptive step left), re-write a slot
+        taken in this reconcile (a reclaim that read it before the node's taint landed fails now)
+        or whose re-write failed. A steady state makes no request. True when that re-write finds
+        the slot reclaimed: the node goes back to held NoSchedule."""
         if self._store is None:
-            return False
+            return g, False
         keep = wants_slot and bool(owned_taints(node, self._taint_key))
         if not keep:
             self._watch.stop(0.0)  # no slot to wait for
-        renew = keep and self._renew_due and self.slot is not None
-        release = not keep and self.slot is not None
-        if not (renew or release) or (self._upkeep_at is not None and now < self._upkeep_at):
-            return False
+        renew = keep and g.renew_due and g.slot is not None
+        release = not keep and g.slot is not None
+        if not (renew or release) or (g.upkeep_at is not None and now < g.upkeep_at):
+            return g, False
         try:
             if renew:
-                if self._renew(now):
-                    return self._rolled_back(now)
+                g, lost = self._renew(g, wall)
+                if lost:
+                    return self._rolled_back(g, now), True
             elif release:
-                assert self.slot is not None
-                self._release(self.slot)
+                assert g.slot is not None
+                g = self._release(g, g.slot)
         except ApiError as exc:
             # a re-write that failed leaves it unknown whether the slot is still this node's: the
             # next reconcile asks again; a give-back can wait
-            self._upkeep_at = None if renew else now + self._delay()
             self._failure(exc, f"cannot keep the budget's Leases in step with the node ({exc})")
-            return False
+            return replace(g, upkeep_at=None if renew else now + self._delay(g.holds)), False
         except Exception as exc:  # a Lease or a reply no parser foresaw: try again later, never raise
             log.exception("effects node=%s budget=unreadable", self._node)
-            self._upkeep_at = now + self._delay()
             self._tally.count("budget_unreadable", f"node={self._node} {exc!r}")
-            return False
-        self._upkeep_at = None
-        return False
-
-    def figures(self) -> dict[str, Any]:
-        """The budget as last read, for the metrics: scope, limit and slots held (None before a
-        look, and always in dry-run)."""
-        view = self._last_view
-        return {"budget_scope": self.scope.value if self.scope.label else "",
-                "budget_limit": view.limit if view is not None else None,
-                "budget_slots_held": len(view.holders) if view is not None else None}
+            return replace(g, upkeep_at=now + self._delay(g.holds)), False
+        return replace(g, upkeep_at=None), False
 
     def close(self) -> None:
         """Stop waiting for a freed slot (the node got one or needs none, or the agent stops)."""
         self._watch.stop()
 
-    def node_gone(self) -> None:
+    def node_gone(self, g: GuardState) -> GuardState:
         """The Node object is gone, and with it any taint: give the slot back (best effort; if
         this fails, another agent reclaims it after a GET of the missing node)."""
-        if self._store is None or self.slot is None:
-            return
+        if self._store is None or g.slot is None:
+            return g
         try:
-            self._release(self.slot)
+            return self._release(g, g.slot)
         except ApiError as exc:
-            self._failure(exc, f"cannot give back budget slot {self.slot.name} of a deleted node ({exc})")
+            self._failure(exc, f"cannot give back budget slot {g.slot.name} of a deleted node ({exc})")
+            return g
 
     # -- the protocol --------------------------------------------------------------------------------
 
-    def _look(self, now: float, consistent: bool = False) -> BudgetView:
+    def _look(self, g: GuardState, now: float, consistent: bool = False) -> tuple[GuardState, BudgetView]:
         store = self._require_store()
-        view = read_view(store.list(consistent, self.scope.lease_selector), self._counted, self._fraction,
-                         self._max_nodes, self.scope)
-        self._reclaim.note(view, now)
-        self._last_view = view
-        return view
+        view = read_view(store.list(consistent, g.scope.lease_selector), g.scope.node_selector(self._selector),
+                         self._fraction, self._max_nodes, g.scope)
+        return replace(g, reclaim=self._reclaim.note(g.reclaim, view, now), last_view=view), view
 
-    def _wall(self, now: float) -> float:
-        """The wall time at decision time ``now``: what a Lease carries for people and peers."""
-        return now + self.wall_offset
-
-    def _take(self, view: BudgetView, now: float) -> Slot | None:
-        """This node's slot: one it holds already, a free one, or a stale one reclaimed (after
-        one GET of its holder's node at most); None when every slot is held by a live node."""
+    def _take(self, g: GuardState, view: BudgetView, now: float, wall: float) -> tuple[GuardState, Slot | None]:
+        """This node's slot, written now: one it holds already (re-written), a free one, or a
+        stale one reclaimed (after one GET of its holder's node at most); None when every slot is
+        held by a live node."""
         store = self._require_store()
         judged, reclaim = False, None
         for _ in range(TAKE_ATTEMPTS):
             mine = view.held_by(self._node)
             if mine:
-                return mine[0]
-            if view.allows:
+                reclaim = None
+                body = held_lease(mine[0].lease, self._node, wall, acquired=False)
+            elif view.allows:
                 reclaim = None
                 index = self._rng.choice(view.free_indexes())
                 existing = view.slot(index)
-                base = existing.lease if existing is not None else new_lease(slot_name(index, self.scope),
-                                                                             store.namespace, "slot", self.scope)
-                body = held_lease(base, self._node, self._wall(now), acquired=True)
+                base = existing.lease if existing is not None else new_lease(slot_name(index, g.scope),
+                                                                             store.namespace, "slot", g.scope)
+                body = held_lease(base, self._node, wall, acquired=True)
             else:
-                reclaim = None if judged else self._reclaim.pick(view, now, store.node, self.scope)
+                if not judged:
+                    memory, reclaim = self._reclaim.pick(g.reclaim, view, now, store.node, g.scope)
+                    g = replace(g, reclaim=memory)
+                else:
+                    reclaim = None
                 judged = True
                 if reclaim is None:
-                    self.note = view.describe()
-                    return None
+                    return replace(g, note=view.describe()), None
                 log.warning("effects node=%s budget=%s slot=%s holder=%s: %s", self._node,
                             "reclaim" if reclaim.grant else "clear", reclaim.slot.name, reclaim.slot.holder,
                             reclaim.why)
-                body = held_lease(reclaim.slot.lease, self._node, self._wall(now), acquired=True)
+                body = held_lease(reclaim.slot.lease, self._node, wall, acquired=True)
             try:
                 written = store.create(body) if "resourceVersion" not in body["metadata"] else store.replace(body)
             except (Conflict, AlreadyExists):
-                view = self._look(now, consistent=True)  # another node won that slot: look again
+                g, view = self._look(g, now, consistent=True)  # another node won that slot: look again
                 continue
             if reclaim is not None and not reclaim.grant:  # past the limit: it grants nothing, give it back
-                self._release(_slot(written, self.scope))
-                view = self._look(now, consistent=True)
+                g = self._release(g, _slot(written, g.scope))
+                g, view = self._look(g, now, consistent=True)
                 reclaim = None
                 continue
-            self.note = view.describe()
-            return _slot(written, self.scope)
-        self.note = view.describe()
-        return None
+            return replace(g, note=view.describe()), _slot(written, g.scope)
+        return replace(g, note=view.describe()), None
 
-    def _rolled_back(self, now: float) -> bool:
+    def _rolled_back(self, g: GuardState, now: float) -> GuardState:
         log.warning("effects node=%s budget=rollback: its slot was reclaimed before its taint landed; "
                     "back to NoSchedule", self._node)
-        self.note = "its budget slot was reclaimed before its taint landed (rolled back to NoSchedule)"
-        self._memo = Budget.HOLDS
-        self._renew_due = False
-        self._holds += 1
-        self.recheck_at = now + self._delay()
-        self._watch.follow(self.scope)  # held: hear of a slot coming free
-        return True
+        self._watch.follow(g.scope)  # held: hear of a slot coming free
+        holds = g.holds + 1
+        return replace(g, note="its budget slot was reclaimed before its taint landed (rolled back to NoSchedule)",
+                       memo=Budget.HOLDS, renew_due=False, holds=holds, recheck_at=now + self._delay(holds))
 
-    def _answer(self, slot: Slot | None, now: float) -> Budget:
+    def _answer(self, g: GuardState, slot: Slot | None, now: float) -> GuardState:
         if slot is not None:
-            self.slot, self._holds, self.recheck_at = slot, 0, None
             self._watch.stop(0.0)
-            return Budget.ALLOWS
-        self._watch.follow(self.scope)  # held: hear of a slot coming free
-        self._holds += 1
-        self.recheck_at = now + self._delay()
-        judgement = self._reclaim.next_judgement(self._last_view, now) if self._last_view else None
-        if judgement is not None and judgement < self.recheck_at:
-            self.recheck_at = judgement + self._rng.uniform(0.0, 2.0)  # a leaked slot back as soon as it may
-        return Budget.HOLDS
+            return replace(g, slot=slot, holds=0, recheck_at=None)
+        self._watch.follow(g.scope)  # held: hear of a slot coming free
+        holds = g.holds + 1
+        recheck_at = now + self._delay(holds)
+        judgement = self._reclaim.next_judgement(g.reclaim, g.last_view, now) if g.last_view else None
+        if judgement is not None and judgement < recheck_at:
+            recheck_at = judgement + self._rng.uniform(0.0, 2.0)  # a leaked slot back as soon as it may
+        return replace(g, holds=holds, recheck_at=recheck_at)
 
-    def _renew(self, now: float) -> bool:
+    def _renew(self, g: GuardState, wall: float) -> tuple[GuardState, bool]:
         """Re-write this node's slot. True when another node holds it now. A slot Lease deleted
         by hand is no slot: the next plan asks for another."""
-        assert self.slot is not None
-        wall = self._wall(now)
-        self.slot, lost = self._write_own(self.slot, lambda lease: held_lease(lease, self._node, wall, acquired=False))
-        self._renew_due = False
-        return lost
+        assert g.slot is not None
+        slot, lost = self._write_own(g, g.slot, lambda lease: held_lease(lease, self._node, wall, acquired=False))
+        return replace(g, slot=slot, renew_due=False), lost
 
-    def _release(self, slot: Slot) -> None:
+    def _release(self, g: GuardState, slot: Slot) -> GuardState:
         """Give ``slot`` back (unless it is not this node's anymore)."""
-        written, _ = self._write_own(slot, released_lease)
+        written, _ = self._write_own(g, slot, released_lease)
         if written is not None:
             log.info("effects node=%s budget=released slot=%s", self._node, slot.name)
-        self.slot = None
+        return replace(g, slot=None)
 
-    def _write_own(self, slot: Slot, change: Callable[[Any], dict]) -> tuple[Slot | None, bool]:
+    def _write_own(self, g: GuardState, slot: Slot, change: Callable[[Any], dict]) -> tuple[Slot | None, bool]:
         """Write ``change`` of this node's ``slot`` with the version read; on a 409 read it again
         and, still this node's, write once more. (the slot written or None, whether another node
         holds it now); a Lease that is gone (404) is (None, False)."""
         store = self._require_store()
         for _ in range(2):
             try:
-                return _slot(store.replace(change(slot.lease)), self.scope), False
+                return _slot(store.replace(change(slot.lease)), g.scope), False
             except Conflict:
-                slot = _slot(store.read(slot.name), self.scope)
+                slot = _slot(store.read(slot.name), g.scope)
                 if slot.holder != self._node:
                     return None, True
             except ApiRejected as exc:
@@ -394,16 +414,16 @@ class BudgetGuard:
                 return None, False
         return None, False
 
-    def _adopt(self, view: BudgetView, now: float) -> None:
+    def _adopt(self, g: GuardState, view: BudgetView, now: float, wall: float) -> GuardState:
         """The node carries the agent's NoExecute (its slot's Lease deleted by hand) but holds no
         slot: take one, so it counts. Never removes the taint: with every slot held it stands,
         the plan's questions look again later, and the budget holds other nodes' disruptive steps
         until holders are under the limit."""
-        slot = self._take(view, now)
+        g, slot = self._take(g, view, now, wall)
         if slot is None:
             log.warning("effects node=%s budget=over: the node carries the agent's NoExecute but no slot is "
-                        "free (%s); the taint stays", self._node, self.note)
-        self._answer(slot, now)
+                        "free (%s); the taint stays", self._node, g.note)
+        return self._answer(g, slot, now)
 
     # -- small parts -----------------------------------------------------------------------------
 
@@ -424,8 +444,8 @@ class BudgetGuard:
         else:
             self._tally.count("budget_count_failed", message)
 
-    def _delay(self) -> float:
-        return recheck_delay(recheck_interval(self._recheck_seconds, max(1, self._holds)), self._rng)
+    def _delay(self, holds: int) -> float:
+        return recheck_delay(recheck_interval(self._recheck_seconds, max(1, holds)), self._rng)
 
 
 def _slot(lease: Any, scope: Scope) -> Slot:

@@ -154,32 +154,47 @@ def stands_until(holder: Mapping | None, seen_for: float, evidence: Evidence, gr
     return until
 
 
+@dataclass(frozen=True)
+class ReclaimMemory:
+    """What this agent saw of the held slots, on its decision clock: when it first saw each at its
+    current version, and which holders it found standing (until when). A value, part of the
+    budget guard's state (``effects/driver_state.py``): a look returns a new one."""
+
+    first_seen: tuple[tuple[str, str, float], ...] = ()  # (slot, version, since)
+    live: tuple[tuple[str, str, float], ...] = ()  # (slot, version, until): its holder stood
+
+    def seen(self, slot: Slot) -> tuple[str, float] | None:
+        return next(((v, t) for name, v, t in self.first_seen if name == slot.name), None)
+
+    def stood(self, slot: Slot) -> tuple[str, float]:
+        return next(((v, t) for name, v, t in self.live if name == slot.name), ("", 0.0))
+
+
 class Reclaimer:
-    """Remembers when this agent first saw each held slot, and which holders it found live."""
+    """The reclaim rule for one node: its wiring only (what it judges lives in ``ReclaimMemory``)."""
 
     def __init__(self, node_name: str, evidence: Evidence, grace_seconds: float, rng: random.Random) -> None:
         self._node = node_name
         self._evidence = evidence
         self._grace = grace_seconds
         self._rng = rng
-        self._first_seen: dict[str, tuple[str, float]] = {}  # slot -> (version, since), decision clock
-        self._live: dict[str, tuple[str, float]] = {}  # slot -> (version, until): its holder stood
 
-    def note(self, view: BudgetView, now: float) -> None:
+    def note(self, memory: ReclaimMemory, view: BudgetView, now: float) -> ReclaimMemory:
         """Remember when each held slot was first seen at its current version."""
-        seen = {}
+        seen = []
         for slot in view.held:
-            version, since = self._first_seen.get(slot.name, ("", now))
-            seen[slot.name] = (slot.version, since if version == slot.version else now)
-        self._first_seen = seen
+            version, since = memory.seen(slot) or ("", now)
+            seen.append((slot.name, slot.version, since if version == slot.version else now))
+        return ReclaimMemory(tuple(seen), memory.live)
 
-    def age(self, slot: Slot, now: float) -> float:
+    def age(self, memory: ReclaimMemory, slot: Slot, now: float) -> float:
         """How long this agent has seen ``slot`` unchanged (0 when it has not seen it before)."""
-        version, since = self._first_seen.get(slot.name, ("", now))
+        version, since = memory.seen(slot) or ("", now)
         return max(0.0, now - since) if version == slot.version else 0.0
 
-    def pick(self, view: BudgetView, now: float, read_node: Callable[[str], Mapping | None],
-             scope: Scope = FLEET) -> Reclaim | None:
+    def pick(self, memory: ReclaimMemory, view: BudgetView, now: float,
+             read_node: Callable[[str], Mapping | None],
+             scope: Scope = FLEET) -> tuple[ReclaimMemory, Reclaim | None]:
         """One slot of ``scope``'s budget to take back, most useful first: a duplicate under the
         limit (no request), one old-enough slot whose holder's Node (one ``read_node``) says it is
         stale, a duplicate past the limit; None when every holder stands, or taking a slot would
@@ -189,35 +204,38 @@ class Reclaimer:
         why_duplicate = "its holder holds a lower slot too (one slot a node)"
         for slot in duplicates:
             if slot.index < view.limit and holders < view.limit:
-                return Reclaim(slot, why_duplicate, grant=True)
-        judged = self._judge(view, now, read_node, holders, scope)
+                return memory, Reclaim(slot, why_duplicate, grant=True)
+        memory, judged = self._judge(memory, view, now, read_node, holders, scope)
         if judged is not None:
-            return judged
+            return memory, judged
         spare = [s for s in duplicates if s.index >= view.limit]
-        return Reclaim(spare[0], why_duplicate, grant=False) if spare else None
+        return memory, (Reclaim(spare[0], why_duplicate, grant=False) if spare else None)
 
-    def _judge(self, view: BudgetView, now: float, read_node: Callable[[str], Mapping | None],
-               holders: int, scope: Scope) -> Reclaim | None:
-        """One old-enough slot: its holder's Node read first (one GET), then ``holder_verdict``."""
-        candidates = [s for s in view.held if s.holder != self._node and not self._stood(s, now)
-                      and self.age(s, now) >= SLOT_GRACE_SECONDS
+    def _judge(self, memory: ReclaimMemory, view: BudgetView, now: float,
+               read_node: Callable[[str], Mapping | None], holders: int,
+               scope: Scope) -> tuple[ReclaimMemory, Reclaim | None]:
+        """One old-enough slot: its holder's Node read first (one GET), then ``holder_verdict``
+        judges from that read."""
+        candidates = [s for s in view.held if s.holder != self._node and not self._stood(memory, s, now)
+                      and self.age(memory, s, now) >= SLOT_GRACE_SECONDS
                       and (s.index >= view.limit or holders <= view.limit)]
         if not candidates:
-            return None
+            return memory, None
         under = [s for s in candidates if s.index < view.limit]  # a slot to hold, before one to clear
         slot = self._rng.choice(under or candidates)
-        seen_for = self.age(slot, now)
+        seen_for = self.age(memory, slot, now)
         holder = read_node(slot.holder)
         why = holder_verdict(holder, seen_for, self._evidence, self._grace, scope)
         if why:
-            return Reclaim(slot, why, grant=slot.index < view.limit)
-        self._live[slot.name] = (slot.version, stands_until(holder, seen_for, self._evidence, self._grace, now))
-        return None
+            return memory, Reclaim(slot, why, grant=slot.index < view.limit)
+        until = stands_until(holder, seen_for, self._evidence, self._grace, now)
+        live = tuple(item for item in memory.live if item[0] != slot.name) + ((slot.name, slot.version, until),)
+        return ReclaimMemory(memory.first_seen, live), None
 
     def _shuffled(self, slots: list[Slot]) -> list[Slot]:
         return self._rng.sample(slots, len(slots))
 
-    def next_judgement(self, view: BudgetView, now: float) -> float | None:
+    def next_judgement(self, memory: ReclaimMemory, view: BudgetView, now: float) -> float | None:
         """When a slot of ``view`` held by another node can next be judged (it comes of age, or
         its holder's standing runs out), if later than ``now``: a held node looks again then,
         so a leaked or forged slot is taken back as soon as the rule allows, not at the end of
@@ -226,12 +244,12 @@ class Reclaimer:
         for slot in view.held:
             if slot.holder == self._node or slot.index >= view.limit:
                 continue
-            version, until = self._live.get(slot.name, ("", 0.0))
+            version, until = memory.stood(slot)
             times.append(until if version == slot.version and now < until
-                         else now - self.age(slot, now) + SLOT_GRACE_SECONDS)
+                         else now - self.age(memory, slot, now) + SLOT_GRACE_SECONDS)
         later = [t for t in times if t > now]
         return min(later) if later else None
 
-    def _stood(self, slot: Slot, now: float) -> bool:
-        version, until = self._live.get(slot.name, ("", 0.0))
+    def _stood(self, memory: ReclaimMemory, slot: Slot, now: float) -> bool:
+        version, until = memory.stood(slot)
         return version == slot.version and now < until

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping
 
 from healthagent.model import Action, Finding
 
@@ -171,50 +172,63 @@ def event_body(spec: EventSpec, node_name: str, node_uid: str = "") -> dict:
     }
 
 
+@dataclass(frozen=True)
 class EventLedger:
-    """Delivered keys and the outbox, restored from and saved to the effects record."""
+    """Delivered keys and the outbox, restored from and saved to the effects record: a value
+    (``want`` and ``delivered`` return a new ledger), part of the effects' state
+    (``effects/driver_state.py``). Built from the saved form: ``emitted`` a mapping key -> time,
+    ``outbox`` a list of ``EventSpec`` dicts; what does not parse is dropped."""
 
-    def __init__(self, emitted: Any = None, outbox: Any = None, max_emitted: int = MAX_EMITTED,
-                 max_outbox: int = MAX_OUTBOX) -> None:
-        self.max_emitted = max_emitted
-        self.max_outbox = max_outbox
-        self.emitted: dict[str, float] = {}
-        if isinstance(emitted, dict):
-            for key, at in emitted.items():
+    emitted: Mapping[str, float] = field(default_factory=dict)
+    outbox: tuple[EventSpec, ...] = ()
+    dropped: int = 0  # Events dropped because the outbox was full (cumulative in this run)
+    max_emitted: int = MAX_EMITTED
+    max_outbox: int = MAX_OUTBOX
+
+    def __post_init__(self) -> None:
+        emitted: dict[str, float] = {}
+        if isinstance(self.emitted, Mapping):
+            for key, at in self.emitted.items():
                 try:
-                    self.emitted[str(key)] = float(at)
+                    emitted[str(key)] = float(at)
                 except (TypeError, ValueError):
                     continue
-        restored = [EventSpec.from_dict(d) for d in outbox] if isinstance(outbox, list) else []
-        self.outbox: list[EventSpec] = [s for s in restored if s is not None]
-        self.dropped = 0
+        outbox = []
+        for item in self.outbox if isinstance(self.outbox, (list, tuple)) else ():
+            spec = item if isinstance(item, EventSpec) else EventSpec.from_dict(item)
+            if spec is not None:
+                outbox.append(spec)
+        object.__setattr__(self, "emitted", MappingProxyType(emitted))
+        object.__setattr__(self, "outbox", tuple(outbox))
         self._trim()
 
-    def want(self, specs: Iterable[EventSpec]) -> None:
+    def want(self, specs: Iterable[EventSpec]) -> "EventLedger":
         """Queue Events not yet delivered nor queued."""
         queued = {s.key for s in self.outbox}
+        outbox = list(self.outbox)
         for spec in specs:
             if spec.key in self.emitted or spec.key in queued:
                 continue
-            self.outbox.append(spec)
+            outbox.append(spec)
             queued.add(spec.key)
-        self._trim()
+        return self if len(outbox) == len(self.outbox) else replace(self, outbox=tuple(outbox))
 
-    def delivered(self, spec: EventSpec, now: float) -> None:
-        self.outbox = [s for s in self.outbox if s.key != spec.key]
-        self.emitted[spec.key] = now
-        self._trim()
+    def delivered(self, spec: EventSpec, now: float) -> "EventLedger":
+        return replace(self, outbox=tuple(s for s in self.outbox if s.key != spec.key),
+                       emitted={**self.emitted, spec.key: now})
 
     def _trim(self) -> None:
+        """Within the bounds (``__post_init__`` only: the value is built trimmed)."""
         if len(self.emitted) > self.max_emitted:
             oldest = sorted(self.emitted.items(), key=lambda kv: kv[1])
-            for key, _ in oldest[: len(self.emitted) - self.max_emitted]:
-                del self.emitted[key]
+            forgotten = {key for key, _ in oldest[: len(self.emitted) - self.max_emitted]}
+            object.__setattr__(self, "emitted", MappingProxyType(
+                {k: v for k, v in self.emitted.items() if k not in forgotten}))
         if len(self.outbox) > self.max_outbox:
             lost = len(self.outbox) - self.max_outbox
-            self.dropped += lost
             log.warning("effects events_dropped=%d outbox_max=%d reason=outbox_full", lost, self.max_outbox)
-            self.outbox = self.outbox[lost:]
+            object.__setattr__(self, "dropped", self.dropped + lost)
+            object.__setattr__(self, "outbox", self.outbox[lost:])
 
     def to_state(self) -> dict:
         return {"emitted": dict(self.emitted), "outbox": [asdict(s) for s in self.outbox]}

@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from healthagent.effects.api_time import parse_rfc3339
 from healthagent.effects.conditions import (
     ALL_CHECKS_PASSED,
     DEFAULT,
@@ -227,18 +226,19 @@ def boot_annotation(node: Mapping, taint: "TaintPlan", findings: Iterable[Findin
     return {}
 
 
-def grace_start(node: Mapping, taint_key: str, recorded_since: float | None, now: float,
-                wall: float) -> float | None:
-    """When the agent's taint was first applied, on the decision clock (``clock.py``): the record,
-    else the earliest ``timeAdded`` of the agent's taints on the node (the agent sets it), so a lost
-    state file does not restart the grace. ``timeAdded`` is wall time: it is taken as how long ago the taint
-    went on by the wall clock now (``wall``), never less than zero, so a ``timeAdded`` in the future
-    (a clock stepped back, another writer's value) starts the grace now rather than ending it."""
+def grace_start(node: Mapping, taint_key: str, recorded_since: float | None, now: float) -> float | None:
+    """When the grace of the agent's taint started, on the decision clock (``clock.py``, which
+    never jumps): the record, else ``now`` when the agent's taint is on the node (first sight),
+    else None (no taint: a new one starts its grace when it goes on).
+
+    Every duration that leads to a node action runs on the decision clock only. ``timeAdded`` on
+    the node is wall time (another clock, stepped by NTP or by hand), so it is shown to people and
+    never measured against: a wall clock stepped forward would end the grace at once. Without a
+    record (the state file was lost) the grace therefore starts again, in full, at first sight:
+    a lost state file can delay NoExecute by one grace, never bring it forward."""
     if recorded_since is not None:
         return recorded_since
-    added = [parse_rfc3339(t.get("timeAdded")) for t in owned_taints(node, taint_key)]
-    added = [a for a in added if a is not None]
-    return now - max(0.0, wall - min(added)) if added else None
+    return now if owned_taints(node, taint_key) else None
 
 
 def plan_taint(

@@ -2,9 +2,10 @@
 
 A node write carries preconditions on what it replaces (``effects/backend.py``); when one fails
 (a foreign taint changed meanwhile) the writer backs off with jitter and hands back the fresh
-node; the caller plans again and retries, at most ``max_attempts`` times per reconcile. The ``/status``
-patch has no precondition and is sent once. Every write is counted by (kind, result) for
-``healthagent_kube_writes_total``; nothing is counted in dry-run.
+node; the caller ends its reconcile there and steps against that node in the next, at once, giving
+up after ``max_attempts`` conflicts in a row until a timed one. The ``/status`` patch has no
+precondition and is simply sent again after a 409, at most ``max_attempts`` times. Every write is
+counted by (kind, result) for ``healthagent_kube_writes_total``; nothing is counted in dry-run.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ class NodeWrite:
 
 class NodeWriter:
     """Sends what a plan says and nothing else: it plans nothing and calls nothing back. The
-    caller (``NodeEffects``) owns the loop: plan against a node, write, and on a conflict plan
-    again against the fresh node (asking the budget there, before a write, never inside one)."""
+    caller (``NodeEffects``) steps against a node, makes the budget exchange, then writes once."""
 
     def __init__(self, backend: Any, *, node_name: str, tally: ErrorTally, sleep: Callable[[float], None],
                  rng: random.Random, max_attempts: int, dry_run: bool) -> None:
@@ -50,26 +50,20 @@ class NodeWriter:
         self._dry_run = dry_run
         self.writes: Counter = Counter()
 
-    def write_node(self, node: dict, plan: NodePlan, attempt: int,
-                   confirm_fresh: Callable[[], bool] = lambda: True) -> NodeWrite:
+    def write_node(self, node: dict, plan: NodePlan, attempt: int) -> NodeWrite:
         """PATCH ``plan``'s node patch (made against ``node``) once. A conflict is counted and
-        backed off (``attempt``: how many came before in this reconcile) and returned as not
-        landed, with the fresh node when the conflict carried one. Other API errors are counted
-        and raised (the desired state stays pending). ``confirm_fresh`` False (the budget's
-        confirm is too old): nothing is sent, and the write is not landed (the caller steps again)."""
+        backed off (``attempt``: how many came before it in a row) and returned as not landed,
+        with the fresh node when the conflict carried one. Other API errors are counted and
+        raised (the desired state stays pending)."""
         if plan.node_patch is None:
             return NodeWrite(node, True)
-        if not confirm_fresh():
-            log.warning("effects node=%s budget=confirm_stale: the slot is confirmed again before the write",
-                        self._node_name)
-            return NodeWrite(node, False)
         reply = self._attempt("node", self._backend.patch_node, (plan.node_patch, node), attempt)
         if isinstance(reply, Conflict):
             return NodeWrite(reply.node, False)
         return NodeWrite(reply, True)
 
     def gave_up(self) -> None:
-        """The caller's conflicts ran out (``max_attempts``) in this reconcile."""
+        """The caller's conflicts in a row ran out (``max_attempts``)."""
         self._exhausted("node")
 
     def write_status(self, node: dict, plan: NodePlan) -> tuple[dict, bool]:

@@ -224,7 +224,7 @@ def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | 
     if decision.hold:
         return hold_plan(node, key, clear_to_write, wall)
     findings, shown, clear = decision.findings, decision.shown, decision.clear
-    since = grace_start(node, key, taint_record.since if taint_record else None, now, wall)
+    since = grace_start(node, key, taint_record.since if taint_record else None, now)
     if since is not None and since > now:  # a grace cannot have started in the future: it starts now
         since = now
     held = budget is not Budget.ALLOWS and disruptive_step_ahead(shown, settings)

@@ -4,9 +4,11 @@ Everything the write side decides is here, over values: the ``EffectsState`` (``
 the verdict, the node as last seen (watch, read or a write's reply), the budget's answer, the
 decision-clock time ``now`` and the wall time ``wall`` (for what the API and people read). No
 I/O, no clock read, no logging: what a person should read comes back as ``notes``, the Events as
-``EventSpec``s. ``effects/kube.py`` is the driver that reads the node, asks the budget when
-``asks_budget`` says the plan has a disruptive step ahead and the node holds no slot, writes the
-plan, keeps the state the API server confirmed, and loops on a conflict.
+``EventSpec``s. ``effects/kube.py`` is the driver that reads the node, runs ``step`` once, makes
+the one budget exchange the step asks for (``TAKE`` a slot when the plan has a disruptive step
+ahead and the node holds none, ``CONFIRM`` the slot right before the disruptive step), writes the
+plan that answer selects (``Step.under``: each answer's plan is made here, so a refused exchange
+needs no second step), and keeps the state the API server confirmed.
 
 A step has two outcomes: ``observed``, what the node told (kept whether or not the write lands:
 an adopted taint, a recreated Node object, a taint removed by hand, another writer of a
@@ -14,8 +16,9 @@ condition), and ``state``, the state once the plan is on the node (the taint rec
 time its grace started, an applied operator clear, the budget episode).
 
 What the node tells (``observe``): a recreated object (new uid) forgets the applied taint; the
-agent's taint on the node is adopted (its grace start from ``timeAdded`` when the state has
-none); the agent's confirmed taint gone while the agent still wants it is an operator's clear,
+agent's taint on the node is adopted (its grace starting at first sight on the decision clock
+when the state has none: ``node_desired.grace_start``); the agent's confirmed taint gone while
+the agent still wants it is an operator's clear,
 which the step writes to the node as the clear annotation ("taint-removed-<time>") so that it is
 a fact about the node like any other clear; a condition of the agent's types that another writer
 owns is noticed once and left alone.
@@ -46,6 +49,7 @@ from healthagent.effects.node_desired import (
     NO_EXECUTE,
     NO_SCHEDULE,
     TAINT_ACTIONS,
+    carries_no_execute,
     grace_start,
     owned_taints,
     reboot_outstanding,
@@ -87,6 +91,10 @@ class Note:
     text: str
 
 
+TAKE, CONFIRM = "take", "confirm"  # the budget exchanges a step may ask for before its write
+BUDGET_WORDS = "<the budget's answer>"  # in a held report until the exchange has answered (``Step.told``)
+
+
 @dataclass(frozen=True)
 class Step:
     observed: EffectsState  # what the node told: kept whether or not the plan lands
@@ -94,7 +102,26 @@ class Step:
     plan: NodePlan
     noticed: tuple[EventSpec, ...]  # Events about what was observed
     events: tuple[EventSpec, ...]  # Events once the plan lands
-    notes: tuple[Note, ...]
+    notes: tuple[Note, ...]  # the observation's lines, then those once the plan lands
+    seen_notes: tuple[Note, ...] = ()  # the observation's lines alone (the plan did not land)
+    # The one budget exchange this step asks for before its write: "" (none), ``TAKE`` (a slot,
+    # for a disruptive step ahead) or ``CONFIRM`` (the slot held, right before the disruptive
+    # step). This step is what to write when the exchange allows; ``refused`` what to write
+    # under each other answer.
+    exchange: str = ""
+    refused: "tuple[tuple[Budget, Step], ...]" = ()
+
+    def under(self, answer: Budget) -> "Step":
+        """What to write once the exchange answered ``answer``."""
+        return next((s for budget, s in self.refused if budget is answer), self)
+
+    def told(self, words: str) -> "Step":
+        """This step with the budget's answer in words in its held report (the exchange's look)."""
+        if not any(BUDGET_WORDS in e.note for e in self.events) and not any(BUDGET_WORDS in n.text
+                                                                             for n in self.notes):
+            return self
+        return replace(self, events=tuple(replace(e, note=e.note.replace(BUDGET_WORDS, words)) for e in self.events),
+                       notes=tuple(replace(n, text=n.text.replace(BUDGET_WORDS, words)) for n in self.notes))
 
 
 def report_findings(state: EffectsState, findings: Iterable[Finding], wall: float,
@@ -163,7 +190,7 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
         state = replace(state, node_uid=uid)
     ours = owned_taints(node, ctx.settings.taint_key)
     if ours:
-        state, adopted = _adopt(state, node, ours, now, wall, ctx.settings.taint_key)
+        state, adopted = _adopt(state, node, ours, now, ctx.settings.taint_key)
         if adopted:
             notes.append(Note(INFO, f"effects node={ctx.node_name} adopted taint from the node "
                                     f"value={state.taint.value if state.taint else '-'}"))
@@ -183,13 +210,13 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
     return state, tuple(events), tuple(notes)
 
 
-def _adopt(state: EffectsState, node: dict, ours: list[dict], now: float, wall: float,
+def _adopt(state: EffectsState, node: dict, ours: list[dict], now: float,
            taint_key: str) -> tuple[EffectsState, bool]:
     main = max(ours, key=lambda t: (t.get("value") == Action.REPLACE_NODE.value, t.get("effect") == NO_EXECUTE))
     value, effect = str(main.get("value") or ""), str(main.get("effect") or "")
     recorded = state.taint
     if recorded is None or recorded.value != value:
-        since = grace_start(node, taint_key, recorded.since if recorded else None, now, wall)
+        since = grace_start(node, taint_key, recorded.since if recorded else None, now)
         return replace(state, taint=AppliedTaint(value, effect, now if since is None else since)), True
     if recorded.effect != effect:
         return replace(state, taint=replace(recorded, effect=effect)), False
@@ -278,10 +305,29 @@ def _budget_episode(state: EffectsState, plan: NodePlan, wall: float,
 
 def step(state: EffectsState, verdict: Verdict | None, node: dict, budget: Budget, now: float, wall: float,
          ctx: StepContext) -> Step:
-    """Observe ``node``, plan against it with the budget's answer, and say what the state is once
-    the plan lands. Pure: the same inputs give the same ``Step``."""
+    """Observe ``node``, plan against it, and say what the state is once the plan lands, and which
+    budget exchange the plan needs first. Pure: the same inputs give the same ``Step``.
+
+    ``budget`` is what the driver knows without asking: ``ALLOWS`` (the node holds a slot),
+    ``ROLLBACK`` (its slot was reclaimed before its taint landed), ``UNASKED`` (no slot) or
+    ``HOLDS``. With no slot and a disruptive step ahead the step asks to ``TAKE`` one; holding one
+    with the disruptive step in this write, to ``CONFIRM`` it. Each answer's plan is made here, so
+    the driver steps once and writes what the answer selects (``Step.under``)."""
     observed, noticed, seen_notes = observe(state, node, verdict, now, wall, ctx)
-    plan = plan_for(observed, verdict, node, budget, now, wall, ctx)
-    after, events, notes = landed(observed, plan, node, verdict, now, wall, ctx)
-    return Step(observed=observed, state=after, plan=plan, noticed=noticed, events=events,
-                notes=seen_notes + notes)
+
+    def planned(answer: Budget) -> Step:
+        basis = replace(observed, rollback=True) if answer is Budget.ROLLBACK else observed
+        plan = plan_for(basis, verdict, node, answer, now, wall, ctx)
+        after, events, notes = landed(basis, plan, node, verdict, now, wall, ctx)
+        return Step(observed=basis, state=after, plan=plan, noticed=noticed, events=events,
+                    notes=seen_notes + notes, seen_notes=seen_notes)
+
+    if budget is Budget.UNASKED and asks_budget(observed, verdict, node, ctx.settings):
+        return replace(planned(Budget.ALLOWS), exchange=TAKE, refused=((Budget.HOLDS, planned(Budget.HOLDS)),))
+    chosen = planned(budget)
+    taint = chosen.plan.taint
+    if budget is Budget.ALLOWS and taint.disruptive_ready and chosen.plan.writes and \
+            not carries_no_execute(node, ctx.settings.taint_key):
+        return replace(chosen, exchange=CONFIRM, refused=((Budget.HOLDS, planned(Budget.HOLDS)),
+                                                          (Budget.ROLLBACK, planned(Budget.ROLLBACK))))
+    return chosen

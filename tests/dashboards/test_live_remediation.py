@@ -74,7 +74,7 @@ def test_the_dashboard_follows_a_scripted_incident_stage_by_stage(tmp_path, fake
     peer_holds(fake, 0, "gpu-node-5")
     peer_holds(fake, 1, "gpu-node-6")
     effects = effects_started(tmp_path, fake)
-    effects.budget._reclaim.next_judgement = lambda view, now: None  # the peers stand: no early look
+    effects.budget._reclaim.next_judgement = lambda memory, view, now: None  # the peers stand: no early look
     history = started(T0 - 600, T0 - 600)
 
     def step(verdict, now: float, expect: str, reason: str) -> KubeStatus:

@@ -18,7 +18,7 @@ from healthagent.effects.backend import NODE_WRITE_DEADLINE_SECONDS, ApiUnavaila
 from healthagent.effects.budget import SLOT_GRACE_SECONDS, slot_name
 from healthagent.effects.budget_guard import CONFIRM_MARGIN_SECONDS
 from tests.effects.budget_helpers import LEASES, NAMESPACE, NODE, cluster, effects, held_by  # noqa: F401
-from tests.effects.helpers import T0, XID95, started
+from tests.effects.helpers import T0, XID95, Wakes, started
 
 pytestmark = pytest.mark.integration
 
@@ -117,15 +117,15 @@ def test_a_failed_rewrite_after_the_node_write_is_tried_again_at_the_next_reconc
     store = holder.budget._store
     real_replace, calls = store.replace, []
 
-    def fails_after_the_confirm(body):
+    def fails_after_the_node_write(body):
         calls.append(body)
-        if len(calls) in (2, 3):  # the re-write after the node write, and the retry in the same reconcile
+        if len(calls) == 1:  # the take is a create; this is the re-write after the node write (settle)
             raise ApiUnavailable("status=504 reason=Timeout")
         return real_replace(body)
 
-    store.replace = fails_after_the_confirm
+    store.replace = fails_after_the_node_write
     holder.reconcile(XID95, T0, "boot-1")
-    assert effects(cluster)[NODE] == "NoExecute" and len(calls) == 3
+    assert effects(cluster)[NODE] == "NoExecute" and len(calls) == 1
     cluster.reset_log()
     holder.reconcile(XID95, T0 + 1, "boot-1")
     assert [(r.method, r.path) for r in cluster.writes(LEASES)] == [("PUT", f"{LEASES}/{slot_name(0)}")]
@@ -133,12 +133,17 @@ def test_a_failed_rewrite_after_the_node_write_is_tried_again_at_the_next_reconc
 
 def test_a_confirm_grown_old_before_the_write_is_made_again_instead_of_writing(tmp_path, cluster):
     """The process stalled between the confirm and its node write (on the monotonic clock): the
-    write is not sent on that confirm; the slot is confirmed again, then the step is written."""
+    write is not sent on that slot write; the next reconcile (due at once) confirms the slot again,
+    then writes the step."""
     holder = started(tmp_path, cluster, **NO_GRACE)
-    ticks = iter([0.0, CONFIRM_MARGIN_SECONDS + 30, 100.0, 100.5])  # confirm, stalled check, confirm, check
+    wakes = Wakes()
+    holder.on_change = wakes
+    ticks = iter([0.0, CONFIRM_MARGIN_SECONDS + 30, 100.0, 100.5])  # take, stalled check, confirm, check
     holder.budget.clock = lambda: next(ticks)
     holder.reconcile(XID95, T0, "boot-1")
     writes = [(r.method, r.path) for r in cluster.writes() if r.path.startswith(LEASES) or r.path.endswith(NODE)]
-    assert writes[:4] == [("POST", LEASES), ("PUT", f"{LEASES}/{slot_name(0)}"), ("PUT", f"{LEASES}/{slot_name(0)}"),
-                          ("PATCH", f"/api/v1/nodes/{NODE}")]
+    assert writes == [("POST", LEASES)] and wakes.count == 1  # the slot taken; the node write not sent
+    holder.reconcile(XID95, T0 + 1, "boot-1")
+    writes = [(r.method, r.path) for r in cluster.writes() if r.path.startswith(LEASES) or r.path.endswith(NODE)]
+    assert writes[:3] == [("POST", LEASES), ("PUT", f"{LEASES}/{slot_name(0)}"), ("PATCH", f"/api/v1/nodes/{NODE}")]
     assert effects(cluster) == {NODE: "NoExecute"}

@@ -41,8 +41,8 @@ from tests.effects.budget_helpers import (  # noqa: F401 (cluster: a fixture)
     peer_holds,
     tainted,
 )
-from tests.effects.helpers import (HEALTHY, T0, TAINT_KEY, XID95, cleared_by, condition, finding, our_taints, settings_for,
-                                   start_effects, started, verdict)
+from tests.effects.helpers import (HEALTHY, T0, TAINT_KEY, XID95, Wakes, cleared_by, condition, finding, our_taints,
+                                   settings_for, start_effects, started, verdict)
 
 pytestmark = pytest.mark.integration
 
@@ -60,8 +60,8 @@ def test_a_fault_takes_a_slot_then_taints_and_no_agent_lists_the_fleet(tmp_path,
     assert [(r.method, r.path) for r in cluster.writes()] == [
         ("POST", LEASES),  # the slot, created by the first node to take it
         ("PATCH", f"/api/v1/nodes/{NODE}"),  # the taint
-        ("PUT", f"{LEASES}/{held_by(cluster, NODE)[0]}"),  # the slot re-written after the taint landed
         ("PATCH", f"/api/v1/nodes/{NODE}/status"),
+        ("PUT", f"{LEASES}/{held_by(cluster, NODE)[0]}"),  # settled: the slot re-written after the taint landed
         ("POST", "/apis/events.k8s.io/v1/namespaces/default/events")]
     peer = started(tmp_path / "peer", cluster, node="gpu-node-1")
     peer.reconcile(XID95, T0, "boot-1")  # the second slot: the counter's 20 nodes allow 2
@@ -112,7 +112,7 @@ def test_a_held_node_looks_again_later_and_less_often_then_takes_a_freed_slot_an
         peer_holds(cluster, i, f"gpu-node-{i + 1}")
     agent = started(tmp_path, cluster)
     # the stretch alone: no held slot comes of age meanwhile (that look: tests/effects/test_budget_trust.py)
-    agent.budget._reclaim.next_judgement = lambda view, now: None
+    agent.budget._reclaim.next_judgement = lambda memory, view, now: None
     agent.reconcile(XID95, T0, "boot-1")
     first = agent.budget_recheck_at
     assert T0 + 15 <= first <= T0 + 45  # 30 s, jittered
@@ -213,44 +213,43 @@ def steal(cluster, lease) -> None:
 
 
 def test_a_slot_taken_from_the_node_before_its_disruptive_step_means_no_disruptive_step(tmp_path, cluster):
-    """The confirming read right before NoExecute finds the slot in another node's name: this node
-    never gets NoExecute, and says so."""
-    agent = started(tmp_path, cluster, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0)
+    """The confirm right before NoExecute (the grace is over) finds the slot in another node's
+    name: this node never gets NoExecute, and says so."""
+    agent = started(tmp_path, cluster, budget_max_nodes=1, replace_noexecute_grace_seconds=60.0)
+    status = agent.reconcile(XID95, T0, "boot-1")  # NoSchedule, and a slot taken for the step ahead
+    assert status.taint_effect == "NoSchedule" and held_by(cluster, NODE) == [slot_name(0)]
+    steal(cluster, next(le for le in cluster.leases(NAMESPACE) if le["metadata"]["name"] == slot_name(0)))
+    cluster.reset_log()
+    status = agent.reconcile(XID95, T0 + 60, "boot-1")
+    node_writes = [r.body for r in cluster.writes(f"/api/v1/nodes/{NODE}") if not r.path.endswith("/status")]
+    assert "NoExecute" not in str(node_writes)
+    assert effects(cluster) == {"gpu-node-7": "NoSchedule", NODE: "NoSchedule"} and status.budget_blocked
+    assert agent.errors.get("budget_slot_lost") == 1
+
+
+def test_a_slot_reclaimed_before_the_write_landed_sends_the_node_back_to_held_noschedule(tmp_path, cluster):
+    """The slot is taken, and before this agent's write lands another node takes it (a reclaim
+    that judged it stale, a forged write). With no grace that write was NoExecute and HyperPod's
+    replacement value; the re-write of the slot after it (settle) finds the slot lost, and the
+    next reconcile, due at once, takes both back: NoSchedule, held, Schedulable."""
+    agent = started(tmp_path, cluster, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0,
+                    hyperpod_labels=True)
+    wakes = Wakes()
+    agent.on_change = wakes
     store = agent.budget._store
     real_create = store.create
 
     def create_then_lose_it(body):
         written = real_create(body)
         steal(cluster, written)
+        store.create = real_create
         return written
 
     store.create = create_then_lose_it
-    status = agent.reconcile(XID95, T0, "boot-1")
-    node_writes = [r.body for r in cluster.writes(f"/api/v1/nodes/{NODE}") if not r.path.endswith("/status")]
-    assert len(node_writes) == 1 and "NoExecute" not in str(node_writes)
-    assert effects(cluster) == {"gpu-node-7": "NoSchedule", NODE: "NoSchedule"} and status.budget_blocked
-    assert agent.errors.get("budget_slot_lost") == 1
-
-
-def test_a_slot_reclaimed_before_the_write_landed_sends_the_node_back_to_held_noschedule(tmp_path, cluster):
-    """The slot is taken and confirmed, and before this agent's write lands another node reclaims
-    it (it judged the slot stale). With no grace that write was NoExecute and HyperPod's
-    replacement value; the re-write of the slot after it fails, and both go back: NoSchedule,
-    held, Schedulable."""
-    agent = started(tmp_path, cluster, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0,
-                    hyperpod_labels=True)
-    store = agent.budget._store
-    real_replace = store.replace
-
-    def confirm_then_lose_it(body):
-        confirmed = real_replace(body)
-        steal(cluster, confirmed)
-        store.replace = real_replace
-        return confirmed
-
-    store.replace = confirm_then_lose_it
-    status = agent.reconcile(XID95, T0, "boot-1")
+    agent.reconcile(XID95, T0, "boot-1")
     assert held_by(cluster, "gpu-node-7") == [slot_name(0)] and held_by(cluster, NODE) == []
+    assert wakes.count == 1  # the rollback is due at once
+    status = agent.reconcile(XID95, T0 + 1, "boot-1")
     node_writes = [r.body for r in cluster.writes(f"/api/v1/nodes/{NODE}") if not r.path.endswith("/status")]
     assert len(node_writes) == 2  # NoExecute with the replacement value, then back
     assert effects(cluster) == {"gpu-node-7": "NoSchedule", NODE: "NoSchedule"}
@@ -351,7 +350,15 @@ def test_without_a_count_the_limit_is_the_smallest(tmp_path, fake):
 @pytest.mark.parametrize("status,kind", [(500, "budget_count_failed"), (403, "rejected_403")])
 def test_a_budget_that_cannot_be_read_holds_the_node_at_noschedule(tmp_path, cluster, status, kind):
     agent = started(tmp_path, cluster, replace_noexecute_grace_seconds=0.0)
-    cluster.fail_next(1, status=status)  # the look at the budget's Leases
+    store = agent.budget._store
+    real_list = store.list
+
+    def failing_look(*args, **kwargs):  # the node is read first; the look at the budget's Leases fails
+        store.list = real_list
+        cluster.fail_next(1, status=status)
+        return real_list(*args, **kwargs)
+
+    store.list = failing_look
     result = agent.reconcile(XID95, T0, "boot-1")
     assert effects(cluster) == {NODE: "NoSchedule"} and result.budget_blocked  # fails closed, not open
     counts = {**agent.errors, **agent.api_errors}

@@ -4,7 +4,9 @@ The wall clock is stepped an hour forward and an hour back during a 60 s NoExecu
 NoExecute still lands 60 s after NoSchedule by the decision clock, while what the API server
 reads (``timeAdded``) carries wall time. One XID 94 reported by both the kernel log and NVML after
 a +1 h step is one count and one Event: both are stamped on the decision clock. The decision
-clock itself survives a restart within a boot and starts afresh on a new boot.
+clock itself survives a restart within a boot and starts afresh on a new boot. A lost state file
+with the wall clock hours ahead restarts the grace in full at first sight: ``timeAdded`` is shown,
+never measured against.
 
 Real parts: the fake API server over the real ``kubernetes`` client for the grace; the demo host
 root, the stub ``libnvidia-ml.so.1`` compiled with ``cc`` and the real state store for the XID.
@@ -12,6 +14,7 @@ root, the stub ``libnvidia-ml.so.1`` compiled with ``cc`` and the real state sto
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -78,6 +81,25 @@ def test_a_restart_within_the_grace_keeps_it_after_a_wall_step(tmp_path, fake):
     again.reconcile(XID95, T0 + 11, "boot-1", wall=T0 + 3611)
     assert [t["effect"] for t in our_taints(fake.node(NODE))] == ["NoSchedule"]
     again.reconcile(XID95, T0 + GRACE, "boot-1", wall=T0 + GRACE + 3600)
+    assert [t["effect"] for t in our_taints(fake.node(NODE))] == ["NoExecute"]
+
+
+def test_a_lost_state_file_and_a_wall_clock_hours_ahead_restart_the_grace_in_full(tmp_path, fake):
+    fake.seed_nodes(20)
+    settings = settings_for(tmp_path, NODE, replace_noexecute_grace_seconds=GRACE)
+    first = start_effects(settings, fake)
+    first.startup(T0 - 1, "boot-1", wall=T0 - 1)
+    first.reconcile(XID95, T0, "boot-1", wall=T0)
+    assert [t["effect"] for t in our_taints(fake.node(NODE))] == ["NoSchedule"]
+    shutil.rmtree(tmp_path / "state")  # the state file is lost, and with it the decision clock's epoch
+    hours = 6 * 3600.0  # the wall clock stepped six hours ahead: the new run's clock starts from it
+    again = start_effects(settings, fake)
+    seen = T0 + hours + 10  # first sight of the taint on the new run's decision clock
+    again.startup(seen, "boot-1", wall=seen)
+    for elapsed in (0, 1, GRACE / 2, GRACE - 1):
+        again.reconcile(XID95, seen + elapsed, "boot-1", wall=seen + elapsed)
+        assert [t["effect"] for t in our_taints(fake.node(NODE))] == ["NoSchedule"], elapsed
+    again.reconcile(XID95, seen + GRACE, "boot-1", wall=seen + GRACE)
     assert [t["effect"] for t in our_taints(fake.node(NODE))] == ["NoExecute"]
 
 

@@ -56,21 +56,22 @@ def test_finding_event_and_body():
 
 def test_ledger_once_per_key_bounded_and_restored_tolerantly():
     ledger = EventLedger(max_emitted=3, max_outbox=2)
-    ledger.want([spec("a"), spec("a"), spec("b")])
+    ledger = ledger.want([spec("a"), spec("a"), spec("b")])
     assert [s.key for s in ledger.outbox] == ["a", "b"]
-    ledger.want([spec("c")])  # over the outbox bound: the oldest is dropped and counted
+    ledger = ledger.want([spec("c")])  # over the outbox bound: the oldest is dropped and counted
     assert [s.key for s in ledger.outbox] == ["b", "c"] and ledger.dropped == 1
-    for n, s in enumerate(list(ledger.outbox)):
-        ledger.delivered(s, T0 + n)
-    ledger.want([spec("b")])
-    assert ledger.outbox == []  # delivered once, never again
+    for n, s in enumerate(ledger.outbox):
+        ledger = ledger.delivered(s, T0 + n)
+    before = ledger
+    ledger = ledger.want([spec("b")])
+    assert ledger.outbox == () and ledger == before  # delivered once, never again
     for n, key in enumerate(["d", "e", "f"]):
-        ledger.delivered(spec(key), T0 + 10 + n)
+        ledger = ledger.delivered(spec(key), T0 + 10 + n)
     assert sorted(ledger.emitted) == ["d", "e", "f"]  # the oldest keys are forgotten first
     restored = EventLedger(**ledger.to_state())
     assert restored.emitted == ledger.emitted
     broken = EventLedger(emitted={"x": "not-a-time", "y": 1.0}, outbox=[{"key": "only"}, "junk"])
-    assert broken.emitted == {"y": 1.0} and broken.outbox == []
+    assert broken.emitted == {"y": 1.0} and broken.outbox == ()
 
 
 def test_finding_action_is_in_the_note():

@@ -146,15 +146,18 @@ def test_replace_taint_is_sticky_even_when_the_state_is_lost(tmp_path, cluster):
     effects.reconcile(HEALTHY, T0 + 10, "boot-1")  # the classifier forgot; the taint must stay
     assert [t["value"] for t in our_taints(cluster.node(NODE))] == ["replace_node"]
     shutil.rmtree(tmp_path / "state")
-    fresh = started(tmp_path, cluster)
+    fresh = start_effects(settings_for(tmp_path, NODE), cluster)
+    fresh.startup(T0 + 50, "boot-2")  # first sight of the taint without a record
     fresh.reconcile(HEALTHY, T0 + 50, "boot-2")
     node = cluster.node(NODE)
     assert [(t["value"], t["effect"]) for t in our_taints(node)] == [("replace_node", "NoSchedule")]
     assert node["metadata"]["labels"][HEALTH_LABEL] == "replace-required"
     gpu = condition(node, "GpuHealthy")
     assert (gpu["status"], gpu["reason"]) == ("False", "ReplacePending") and "kubectl annotate" in gpu["message"]
-    # the grace is counted from the taint's timeAdded on the node, not restarted
-    assert fresh.reconcile(HEALTHY, T0 + 121, "boot-2").taint_effect == "NoExecute"
+    # without a record the grace starts at first sight on the decision clock, and runs in full
+    assert fresh.reconcile(HEALTHY, T0 + 121, "boot-2").taint_effect == "NoSchedule"
+    assert fresh.reconcile(HEALTHY, T0 + 50 + 119, "boot-2").taint_effect == "NoSchedule"
+    assert fresh.reconcile(HEALTHY, T0 + 50 + 120, "boot-2").taint_effect == "NoExecute"
 
 
 @pytest.mark.parametrize("storm", [3, 20])
@@ -164,7 +167,7 @@ def test_conflict_storm_ends_in_the_right_state_without_duplicate_events(tmp_pat
     effects.startup(T0 - 1, "boot-1")
     cluster.conflict_next_writes(storm)
     status = effects.reconcile(XID95, T0, "boot-1")
-    for n in range(1, 5):
+    for n in range(1, 30):  # one node write a reconcile: a conflict leaves the next one due at once
         if status.pending_writes == 0:
             break
         status = effects.reconcile(XID95, T0 + n, "boot-1")
@@ -184,7 +187,8 @@ def test_5xx_keeps_the_desired_state_and_applies_it_later(tmp_path, cluster):
     status = effects.reconcile(XID95, T0, "boot-1")
     assert status.pending_writes >= 1 and not status.reachable
     assert our_taints(cluster.node(NODE)) == []
-    status = effects.reconcile(XID95, T0 + 5, "boot-1")
+    effects.reconcile(XID95, T0 + 5, "boot-1")  # the third failure: the read
+    status = effects.reconcile(XID95, T0 + 10, "boot-1")
     assert status.pending_writes == 0 and status.reachable
     assert our_taints(cluster.node(NODE)) and len(cluster.events()) == 1
 
@@ -240,7 +244,9 @@ def test_restart_after_the_writes_but_before_the_state_was_saved(tmp_path, clust
     assert node_writes(cluster) == []
     assert [(r.method, r.status) for r in cluster.requests("POST", EVENTS)] == [("POST", 409)]
     assert len(cluster.events()) == 1 and status.writes == {("event", "conflict"): 1}
-    assert second.reconcile(XID95, T0 + 120, "boot-1").taint_effect == "NoExecute"  # grace from timeAdded
+    # the record was lost with the state write: the grace starts again at first sight (T0 + 5)
+    assert second.reconcile(XID95, T0 + 120, "boot-1").taint_effect == "NoSchedule"
+    assert second.reconcile(XID95, T0 + 125, "boot-1").taint_effect == "NoExecute"
 
 
 def test_foreign_taints_labels_annotations_and_conditions_are_untouched(tmp_path, cluster):

@@ -292,11 +292,14 @@ def test_a_watch_refused_by_rbac_falls_back_to_reading_the_node(watched, cluster
 
 
 def test_a_conflict_on_a_write_still_reads_the_node_again(watched, cluster):
-    effects, _ = watched()
+    effects, wakes = watched()
+    wakes.event.clear()
     cluster.conflict_next_writes(1)
     status = effects.reconcile(XID95, T0, "boot-1")
-    assert status.writes[("node", "conflict")] == 1 and status.pending_writes == 0
-    assert len(node_reads(cluster)) == 1 and our_taints(cluster.node(NODE))
+    assert status.writes[("node", "conflict")] == 1 and status.pending_writes >= 1
+    assert wakes.event.is_set()  # the next reconcile is due at once
+    status = effects.reconcile(XID95, T0 + 1, "boot-1")  # against a read, not the watch's cache
+    assert status.pending_writes == 0 and len(node_reads(cluster)) == 1 and our_taints(cluster.node(NODE))
 
 
 def test_a_deleted_and_recreated_node_gets_the_taint_again(watched, cluster):

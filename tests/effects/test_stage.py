@@ -158,7 +158,7 @@ def test_a_scripted_incident_walks_the_pipeline_with_the_time_in_each_stage(tmp_
     seen.append(history.stage)
     history, status = at(effects, history, XID95, T0)
     seen.append(history.stage)  # the slot is asked only for the disruptive step: cordoned, then held
-    effects.budget._reclaim.next_judgement = lambda view, now: None  # the peers stand: no early look
+    effects.budget._reclaim.next_judgement = lambda memory, view, now: None  # the peers stand: no early look
     history, status = at(effects, history, XID95, T0 + 150)  # the grace is over: the step is due
     seen.append(history.stage)
     assert status.budget_blocked and status.budget_slots_held == 2 and status.budget_limit == 2
