@@ -1,4 +1,5 @@
-"""Write docs/reference/findings.md from the finding catalog (healthagent/policy/findings.csv).
+"""Write docs/reference/findings.md from the finding catalog (healthagent/policy/findings.csv) and
+the thresholds (healthagent/policy/thresholds.csv).
 
     python docs/reference/generate_findings.py          # rewrite docs/reference/findings.md
     python docs/reference/generate_findings.py --check  # exit 1 when the file is stale
@@ -16,11 +17,12 @@ from pathlib import Path
 from healthagent.effects.conditions import VOCABULARIES
 from healthagent.policy.debounce import BUILT_IN
 from healthagent.policy.finding_catalog import CATALOG_FILE, CatalogRow, catalog_rows
+from healthagent.policy.threshold_catalog import THRESHOLDS, THRESHOLDS_FILE
 
 TARGET = Path(__file__).with_name("findings.md")
 HEADER = f"""# Finding codes (generated)
 
-Generated from `healthagent/policy/{CATALOG_FILE}` by `docs/reference/generate_findings.py`; do not
+Generated from `healthagent/policy/{CATALOG_FILE}` and `{THRESHOLDS_FILE}` by `docs/reference/generate_findings.py`; do not
 edit by hand. The runbook of each code is its section in [findings.md](../findings.md);
 `healthagent explain CODE` prints the same row with the policy in force.
 
@@ -49,6 +51,15 @@ def render() -> str:
     lines = [HEADER, "| code | meaning | condition | action | opens | thresholds | eks reason | HyperPod |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [_line(row) for row in catalog_rows()]
+    lines += ["", "## Thresholds", "",
+              "The `thresholds:` keys of the policy file: the default, its kind (`seconds`; `count`: a whole "
+              "number of at least 1; `number`: 0 or more; `factor`: at least 1), where the default comes "
+              "from, and the codes whose rules read it.", "",
+              "| threshold | default | kind | meaning | source | read by |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, spec in THRESHOLDS.items():
+        codes = " ".join(f"`{row.code}`" for row in catalog_rows() if name in row.thresholds) or "-"
+        cells = (f"`{name}`", f"{spec.default:g}", spec.kind, spec.help, spec.source or "-", codes)
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
