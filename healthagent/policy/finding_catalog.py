@@ -14,7 +14,7 @@ Columns:
 
 - ``code``, ``title`` (a few words), ``condition`` (``gpu`` or ``network``: the node condition it
   turns), ``action`` (empty: decided per event by a catalog, the XID or the mlx5 one);
-- ``reads`` (how its signal arrives: ``events``, ``gpu``, ``efa``, ``rdma``, ``inventory``),
+- ``reads`` (how its signal arrives: ``events``, ``gpu``, ``efa``, ``rdma``, ``pcie``, ``inventory``),
   ``kind`` (``condition``: a state read every time; ``event``);
 - ``count``, ``window``, ``sustain``, ``after_boot_grace``: the built-in debounce rule (seconds;
   an empty window: ``count`` readings in a row), as ``debounce.py`` describes;
@@ -41,7 +41,7 @@ COLUMNS = ("code", "title", "condition", "action", "reads", "kind", "count", "wi
            "after_boot_grace", "thresholds", "eks_reason", "eks_reason_from", "hyperpod_fault_type",
            "runbook", "next_steps")
 CONDITIONS = ("gpu", "network")
-READS = ("events", "gpu", "efa", "rdma", "inventory")
+READS = ("events", "gpu", "efa", "rdma", "pcie", "inventory")
 KINDS = ("condition", "event")
 REASON_FROM = ("nma", "coined")
 
