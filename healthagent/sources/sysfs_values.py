@@ -1,4 +1,5 @@
-"""What the kernel can write in an RDMA device's sysfs files, and nothing else, taken as a reading.
+"""What the kernel can write in an RDMA device's sysfs files and a PCI function's AER statistics, and
+nothing else, taken as a reading.
 
 Every RDMA sysfs source (EFA, InfiniBand/RoCE) reads its values through these checks (by way of
 ``sysfs_reader``), so a value the kernel cannot produce is never evidence: the part it belongs to
