@@ -32,7 +32,6 @@ from healthagent.policy.adapters import AdapterJudge
 from healthagent.policy.book import FindingBook, Signal, as_text
 from healthagent.policy.catalog import Catalog
 from healthagent.policy.counters import finite
-from healthagent.policy.explain import explain
 from healthagent.policy.incidents import XidIncidents
 from healthagent.policy.inventory import MAX_KNOWN, inventory, unobserved
 from healthagent.policy.mlx5_catalog import load_mlx5_catalog
@@ -47,7 +46,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 MAX_TRACKS = 256  # GPUs / EFA ports remembered; far above any real node, a bound for garbage input
 
-__all__ = ["Assessment", "Classifier", "classify_event", "explain"]
+__all__ = ["Assessment", "Classifier", "classify_event"]
 
 
 @dataclass(frozen=True)
