@@ -18,7 +18,8 @@ Columns:
   ``kind`` (``condition``: a state read every time; ``event``);
 - ``count``, ``window``, ``sustain``, ``after_boot_grace``: the built-in debounce rule (seconds;
   an empty window: ``count`` readings in a row), as ``debounce.py`` describes;
-- ``thresholds``: the ``thresholds:`` keys of the policy file its rule reads (space-separated);
+- ``thresholds``: the ``thresholds:`` keys of the policy file its rule reads (space-separated), each
+  a row of ``thresholds.csv`` (its default, kind and source; ``threshold_catalog.py``);
 - ``eks_reason``, ``eks_reason_from`` (``nma``: the EKS node monitoring agent's name; ``coined``);
 - ``hyperpod_fault_type``: the value of SageMaker HyperPod's ``fault-types`` label;
 - ``runbook`` (the docs anchor), ``next_steps`` (a template: ``{gpu}``, ``{index}``, ``{device}``).
