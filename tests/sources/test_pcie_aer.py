@@ -116,7 +116,7 @@ def test_what_the_kernel_writes_is_read():
     assert parse_aer_stats(b"CmpltTO 0\nTOTAL_ERR_FATAL 0\n", "nonfatal") is None
 
 
-def test_thousands_of_functions_are_bounded_and_the_rest_unobserved(tmp_path, monkeypatch):
+def test_thousands_of_functions_are_bounded_and_the_rest_unobserved(tmp_path):
     # A PCI tree with 3000 NVIDIA display functions (garbage or a hostile root): at most
     # MAX_FUNCTIONS are read, the rest are named unobserved, never missing or healthy.
     for i in range(3000):
