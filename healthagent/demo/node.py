@@ -47,6 +47,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from healthagent.demo import stub_nvml
 from healthagent.demo.boot_log import Line, kmsg_record, kmsg_text, p5_boot_log
+from healthagent.demo.rdma_tree import write_aer_stats
 from healthagent.model import canonical_pci_bus_id
 from healthagent.sources.instance import PRODUCT_NAME
 
@@ -139,22 +140,6 @@ def write_pci_function(root: Path, pci_bus_id: str, *, vendor: str, device_id: s
     _symlink(function / "driver", f"../../../bus/pci/drivers/{driver}")
     write_aer_stats(function)
     return function
-
-
-def write_aer_stats(function: Path, correctable: int = 0, nonfatal: int = 0, fatal: int = 0) -> None:
-    """A PCI function's AER statistics as the kernel prints them (``aer_dev_*``): every named error
-    with its count, then the TOTAL line; the counts land on ``RxErr`` and ``CmpltTO``."""
-    named = {"correctable": ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr",
-                             "HeaderOF"),
-             "uncorrectable": ("Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt",
-                               "RxOF", "MalfTLP", "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP",
-                               "AtomicOpBlocked", "TLPBlockedErr", "PoisonTLPBlocked")}
-    for file_name, names, first, count, total in (
-            ("aer_dev_correctable", named["correctable"], "RxErr", correctable, "ERR_COR"),
-            ("aer_dev_nonfatal", named["uncorrectable"], "CmpltTO", nonfatal, "ERR_NONFATAL"),
-            ("aer_dev_fatal", named["uncorrectable"], "CmpltTO", fatal, "ERR_FATAL")):
-        lines = [f"{name} {count if name == first else 0}" for name in names] + [f"TOTAL_{total} {count}"]
-        _write(function / file_name, "\n".join(lines) + "\n")
 
 
 def write_rdma_device(

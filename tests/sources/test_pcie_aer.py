@@ -141,3 +141,16 @@ def test_the_pci_tree_is_scanned_again_only_when_its_listing_changes(tmp_path, m
     assert "0000:9a:00.0" in by_pci(source.collect(T + 20))
     assert len(scans) == 2
     assert GPUS[0] in by_pci(source.collect(T + 30))
+
+
+def test_the_infiniband_demo_nodes_functions_read_healthy(tmp_path):
+    """The tree `healthagent demo --fabric ib` runs on: 8 GPUs and 10 ConnectX functions, all read, none
+    with an error."""
+    from tests.support.rdma_tree import build_rdma_tree
+
+    build_rdma_tree(tmp_path)
+    result = PcieAerSource(str(tmp_path)).collect(T)
+    roles = [s.role for s in result.aer]
+    assert roles.count("gpu") == 8 and roles.count("nic") == 10
+    assert all((s.correctable, s.nonfatal, s.fatal, dict(s.errors)) == (0, 0, 0, {}) for s in result.aer)
+    assert result.health.up and result.health.errors == {}

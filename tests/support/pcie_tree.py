@@ -1,12 +1,13 @@
 """A node's PCI functions with their AER statistics under a host root: NVIDIA GPUs (listed in
 ``/sys/bus/pci/devices`` as the kernel lists them) and RDMA adapters (``/sys/class/infiniband``),
-written as the kernel writes them (``healthagent.demo.node.write_aer_stats``)."""
+written as the kernel writes them (``healthagent.demo.rdma_tree.write_aer_stats``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from healthagent.demo.node import pci_function_dir, write_aer_stats, write_pci_function, write_rdma_device
+from healthagent.demo.node import pci_function_dir, write_pci_function, write_rdma_device
+from healthagent.demo.rdma_tree import write_aer_stats
 
 GPUS = ("0000:1a:00.0", "0000:3a:00.0")
 NICS = (("mlx5_0", "0000:4b:00.0"), ("rdmap79s0", "0000:4f:00.0"))
