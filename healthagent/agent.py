@@ -249,13 +249,14 @@ class Agent:
         gpus = self._latest_gpus()
         efa = tuple(s for item in self.scheduled if item.last for s in item.last.efa)
         rdma = tuple(p for item in self.scheduled if item.last for p in item.last.rdma)
+        aer = tuple(a for item in self.scheduled if item.last for a in item.last.aer)
         enriched = tuple(enrich_xid(x, gpus) for x in new_xids)
         operator_clear = self.node_clear()  # a fact about the node object, from the watch's cache
         cleared = bool(operator_clear) and operator_clear != self.classifier.clear_token
         new_events = bool(enriched or adapter_events)
         if self.verdict is None or new_events or fresh_periodic or cleared:
             collection = Collection(
-                timestamp=now, gpus=gpus, xids=enriched, efa=efa, rdma=rdma, adapter_events=tuple(adapter_events),
+                timestamp=now, gpus=gpus, xids=enriched, efa=efa, rdma=rdma, aer=aer, adapter_events=tuple(adapter_events),
                 health=tuple(self._health.values()), boot_id=self.boot_id, boot_time=self.boot_time,
                 expected_gpus=self.expected_gpus,
                 expected_efa_devices=self.expected_efa_devices, operator_clear=operator_clear,

@@ -39,7 +39,7 @@ def collect_once(settings: Settings) -> Collection:
     xids = tuple(enrich_xid(x, gpus) for r in results for x in r.xids)
     return Collection(
         timestamp=now, gpus=gpus, xids=xids, efa=tuple(s for r in results for s in r.efa),
-        rdma=tuple(p for r in results for p in r.rdma),
+        rdma=tuple(p for r in results for p in r.rdma), aer=tuple(a for r in results for a in r.aer),
         adapter_events=tuple(e for r in results for e in r.adapter_events),
         health=tuple(r.health for r in results), expected_gpus=expected[0], expected_efa_devices=expected[1],
         boot_time=boot_time, boot_id=read_boot_id(settings.host_root),

@@ -293,7 +293,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
     read")."""
     # deferred: the ConnectX wording and the offline log reader load only when classify runs
     from healthagent.policy.mlx5_catalog import load_mlx5_catalog
-    from healthagent.policy.mlx5_words import classify_row
+    from healthagent.present.mlx5_words import classify_row
     from healthagent.sources.kernel_log.offline import iter_classifiable
 
     policy, catalog = _catalog(args.policy_file)
@@ -329,16 +329,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     field saying whether it is built in or which key of the policy file set it. A ConnectX event
     id: its catalog row with the policy file's ``mlx5:`` override, as the agent applies it."""
     # deferred: explain's wording loads only when explain runs
-    from healthagent.policy.classify import explain
-    from healthagent.policy.explain_code import explain_code
     from healthagent.policy.findings import FINDING_CODES
+    from healthagent.present.explain import explain
+    from healthagent.present.explain_code import explain_code
 
     settings = _settings(args)
     policy, catalog = _catalog(settings.policy_file, settings)
     if isinstance(args.subject, str) and args.subject not in FINDING_CODES:
         # deferred: the ConnectX catalog's wording loads only for a ConnectX event id
         from healthagent.policy.mlx5_catalog import load_mlx5_catalog
-        from healthagent.policy.mlx5_words import explain_mlx5
+        from healthagent.present.mlx5_words import explain_mlx5
 
         print(explain_mlx5(args.subject, load_mlx5_catalog(policy.mlx5_actions), policy))
         return 0

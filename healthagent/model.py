@@ -262,6 +262,28 @@ class RdmaPort:
 
 
 @dataclass(frozen=True)
+class PcieAerSample:
+    """The PCIe AER statistics of one PCI function (a GPU's, or an RDMA adapter's), from its
+    ``aer_dev_correctable``/``aer_dev_nonfatal``/``aer_dev_fatal`` files.
+
+    ``correctable``/``nonfatal``/``fatal`` are the files' TOTAL lines (error messages of that
+    severity since the function was enumerated); None: the file is absent (no AER on this function
+    or kernel), unreadable or not what the kernel writes. ``errors`` holds the non-zero counts by
+    ``severity:name`` (``fatal:CmpltTO``), for the evidence. ``role`` is ``gpu`` or ``nic``;
+    ``device`` the RDMA device's name for a NIC (``mlx5_0``, ``rdmap79s0``).
+    """
+
+    pci_bus_id: str
+    role: str
+    device: str = ""
+    correctable: int | None = None
+    nonfatal: int | None = None
+    fatal: int | None = None
+    errors: Mapping[str, int] = field(default_factory=dict)
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
 class SourceHealth:
     """How one source did in its last collection; exported as source_up/source_errors_total."""
 
@@ -287,6 +309,7 @@ class Collection:
     efa: tuple[EfaSample, ...] = ()
     rdma: tuple[RdmaPort, ...] = ()
     adapter_events: tuple[AdapterEvent, ...] = ()  # mlx5 (ConnectX) kernel-log events
+    aer: tuple[PcieAerSample, ...] = ()  # PCIe AER statistics of the GPUs' and NICs' functions
     health: tuple[SourceHealth, ...] = ()
     boot_id: str = ""
     # When the node booted, on the clock of ``timestamp`` (the decision clock: its epoch, the

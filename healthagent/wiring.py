@@ -41,6 +41,7 @@ from healthagent.sources.instance import resolve_expected
 from healthagent.sources.kernel_log.cursor import KmsgCursor
 from healthagent.sources.kernel_log.source import KmsgSource
 from healthagent.sources.kernel_log.wake import Doorbell
+from healthagent.sources.pcie_aer import PcieAerSource
 from healthagent.sources.rdma import RdmaSource
 from healthagent.telemetry.metrics import Telemetry
 from healthagent.telemetry.server import AgentServer, ListenError
@@ -96,6 +97,9 @@ def build_sources(settings: Settings, on_event: Callable[[], None] | None = None
     scheduled.append(Scheduled(DeadlineSource(EfaSource(settings.host_root), deadline),
                                settings.efa_interval_seconds))
     scheduled.append(Scheduled(DeadlineSource(RdmaSource(settings.host_root), deadline),
+                               settings.rdma_interval_seconds))
+    # PCIe AER statistics are sysfs files like the RDMA ports' and read on their schedule.
+    scheduled.append(Scheduled(DeadlineSource(PcieAerSource(settings.host_root), deadline),
                                settings.rdma_interval_seconds))
     if settings.dcgm_url:
         dcgm = DcgmSource(settings.dcgm_url, settings.dcgm_timeout_seconds)

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("agent", 4, ("healthagent.agent", "healthagent.budget_counter")),
     ("presentation", 5, ("healthagent.wiring", "healthagent.cli", "healthagent.cli_inputs",
                          "healthagent.cli_token", "healthagent.check_report", "healthagent.__main__",
-                         "healthagent.demo")),
+                         "healthagent.demo", "healthagent.present")),
 )
 
 # Known exceptions, each with the reason it stands: (importer, imported) -> why.

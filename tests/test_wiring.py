@@ -73,9 +73,9 @@ def test_kube_off_builds_no_effects_at_all(tmp_path):
 def test_the_sources_are_what_the_settings_ask_for(tmp_path):
     sources = build_sources(settings_for(tmp_path, nvml="false", dcgm_url="http://127.0.0.1:9/metrics"))
     try:
-        assert [item.source.name for item in sources.scheduled] == ["efa", "rdma", "dcgm"]
+        assert [item.source.name for item in sources.scheduled] == ["efa", "rdma", "pcie_aer", "dcgm"]
         assert sources.nvml is None and sources.kernel_log.name == "kmsg"
-        assert [source.name for source in sources.all()] == ["efa", "rdma", "dcgm", "kmsg"]
+        assert [source.name for source in sources.all()] == ["efa", "rdma", "pcie_aer", "dcgm", "kmsg"]
     finally:
         for source in sources.all():
             source.close()

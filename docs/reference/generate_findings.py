@@ -1,4 +1,5 @@
-"""Write docs/reference/findings.md from the finding catalog (healthagent/policy/findings.csv).
+"""Write docs/reference/findings.md from the finding catalog (healthagent/policy/findings.csv) and
+the thresholds (healthagent/policy/thresholds.csv).
 
     python docs/reference/generate.py                    # rewrite every reference page, this one too
     python docs/reference/generate_findings.py           # rewrite docs/reference/findings.md only
@@ -19,15 +20,16 @@ from page_text import COMMAND, first_line
 from healthagent.effects.conditions import VOCABULARIES
 from healthagent.policy.debounce import BUILT_IN
 from healthagent.policy.finding_catalog import CATALOG_FILE, CatalogRow, catalog_rows
+from healthagent.policy.threshold_catalog import THRESHOLDS, THRESHOLDS_FILE
 
 TARGET = Path(__file__).with_name("findings.md")
 HEADER = f"""{first_line(f"`healthagent/policy/{CATALOG_FILE}`")}
 
 # Finding codes (generated)
 
-Generated from `healthagent/policy/{CATALOG_FILE}` by `{COMMAND}`; do not edit by hand.
-The runbook of each code is its section in [findings.md](../findings.md); `healthagent explain CODE`
-prints the same row with the policy in force.
+Generated from `healthagent/policy/{CATALOG_FILE}` and `{THRESHOLDS_FILE}` by `{COMMAND}`; do not
+edit by hand. The runbook of each code is its section in [findings.md](../findings.md);
+`healthagent explain CODE` prints the same row with the policy in force.
 
 Columns: the node condition a finding turns (default vocabulary / `eks`), the action it demands
 (`per event`: the XID or ConnectX catalog decides), when it opens by default (the `findings:` rule
@@ -54,6 +56,15 @@ def render() -> str:
     lines = [HEADER, "| code | meaning | condition | action | opens | thresholds | eks reason | HyperPod |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [_line(row) for row in catalog_rows()]
+    lines += ["", "## Thresholds", "",
+              "The `thresholds:` keys of the policy file: the default, its kind (`seconds`; `count`: a whole "
+              "number of at least 1; `number`: 0 or more; `factor`: at least 1), where the default comes "
+              "from, and the codes whose rules read it.", "",
+              "| threshold | default | kind | meaning | source | read by |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, spec in THRESHOLDS.items():
+        codes = " ".join(f"`{row.code}`" for row in catalog_rows() if name in row.thresholds) or "-"
+        cells = (f"`{name}`", f"{spec.default:g}", spec.kind, spec.help, spec.source or "-", codes)
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -47,6 +47,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from healthagent.demo import stub_nvml
 from healthagent.demo.boot_log import Line, kmsg_record, kmsg_text, p5_boot_log
+from healthagent.demo.rdma_tree import write_aer_stats
 from healthagent.model import canonical_pci_bus_id
 from healthagent.sources.instance import PRODUCT_NAME
 
@@ -137,6 +138,7 @@ def write_pci_function(root: Path, pci_bus_id: str, *, vendor: str, device_id: s
     _write(function / "class", class_code + "\n")
     (root / "sys" / "bus" / "pci" / "drivers" / driver).mkdir(parents=True, exist_ok=True)
     _symlink(function / "driver", f"../../../bus/pci/drivers/{driver}")
+    write_aer_stats(function)
     return function
 
 

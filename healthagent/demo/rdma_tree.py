@@ -9,7 +9,8 @@ mlx5 port of prometheus/procfs' sysfs fixture (``counters/``, ``hw_counters/``, 
 and ``Documentation/ABI/stable/sysfs-class-infiniband``; relative symlinks as sysfs has them
 (``class/infiniband/mlx5_0 -> ../../devices/pci.../infiniband/mlx5_0``). ``mlx5_7`` also has the
 ``counters_ext/`` directory of kernels before 4.5 (64-bit data and packet counters), so both
-places are exercised.
+places are exercised. Every PCI function carries healthy AER statistics (``write_aer_stats``, the
+text of ``drivers/pci/pcie/aer.c``), which the p5 demo node's functions share.
 
 ``healthagent demo --fabric ib`` builds its node's ports with it, and the tests build theirs, so
 one layout serves both: it lives in the package because the demo runs where ``tests/`` is not
@@ -124,6 +125,23 @@ def _function(root: Path, path: Path, pci: str, vendor: str, device: str, klass:
     drivers.mkdir(parents=True, exist_ok=True)
     _link(path / "driver", drivers)
     _link(root / "sys/bus/pci/devices" / pci, path)
+    write_aer_stats(path)
+
+
+def write_aer_stats(function: Path, correctable: int = 0, nonfatal: int = 0, fatal: int = 0) -> None:
+    """A PCI function's AER statistics as the kernel prints them (``aer_dev_*``): every named error
+    with its count, then the TOTAL line; the counts land on ``RxErr`` and ``CmpltTO``."""
+    named = {"correctable": ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr",
+                             "HeaderOF"),
+             "uncorrectable": ("Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt",
+                               "RxOF", "MalfTLP", "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP",
+                               "AtomicOpBlocked", "TLPBlockedErr", "PoisonTLPBlocked")}
+    for file_name, names, first, count, total in (
+            ("aer_dev_correctable", named["correctable"], "RxErr", correctable, "ERR_COR"),
+            ("aer_dev_nonfatal", named["uncorrectable"], "CmpltTO", nonfatal, "ERR_NONFATAL"),
+            ("aer_dev_fatal", named["uncorrectable"], "CmpltTO", fatal, "ERR_FATAL")):
+        lines = [f"{name} {count if name == first else 0}" for name in names] + [f"TOTAL_{total} {count}"]
+        (function / file_name).write_text("\n".join(lines) + "\n", encoding="ascii")
 
 
 def _counter_values(seed: int, names: tuple[str, ...]) -> dict[str, int]:

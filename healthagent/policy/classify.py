@@ -32,12 +32,12 @@ from healthagent.policy.adapters import AdapterJudge
 from healthagent.policy.book import FindingBook, Signal, as_text
 from healthagent.policy.catalog import Catalog
 from healthagent.policy.counters import finite
-from healthagent.policy.explain import explain
 from healthagent.policy.incidents import XidIncidents
 from healthagent.policy.inventory import MAX_KNOWN, inventory, unobserved
 from healthagent.policy.mlx5_catalog import load_mlx5_catalog
 from healthagent.policy.rules_efa import EfaRules, EfaTrack, efa_key
 from healthagent.policy.rules_gpu import GpuRules, GpuTrack, gpu_key
+from healthagent.policy.rules_pcie import PcieJudge
 from healthagent.policy.rules_rdma import RdmaJudge
 from healthagent.policy.settings import Policy
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 MAX_TRACKS = 256  # GPUs / EFA ports remembered; far above any real node, a bound for garbage input
 
-__all__ = ["Assessment", "Classifier", "classify_event", "explain"]
+__all__ = ["Assessment", "Classifier", "classify_event"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,7 @@ class Classifier:
         self.gpus: dict[str, GpuTrack] = {}
         self.efa: dict[str, EfaTrack] = {}
         self.rdma = RdmaJudge(self.policy)
+        self.pcie = PcieJudge(self.policy)
         self.adapters = AdapterJudge(self.policy, self.mlx5_catalog)
         self.known_gpus: dict[str, str] = {}  # PCI id -> "GPU 3 (0000:a8:00.0)", seen since the last clear
         self.known_efa: dict[str, str] = {}
@@ -156,6 +157,7 @@ class Classifier:
         for sample in collection.efa:
             self._guard("efa", self._apply, self.efa_rules.evaluate(sample, self._efa_track(sample), now), now)
         self._guard("rdma", self._apply, self.rdma.evaluate(collection, now), now)
+        self._guard("pcie", self._apply, self.pcie.evaluate(collection, now), now)
         if self._inventory_is_new(collection, now):
             self._guard("inventory", self._apply, inventory(collection, self.known_gpus, self.known_efa), now)
         blind = self._guard("unobserved", unobserved, collection) or ()
@@ -265,6 +267,7 @@ class Classifier:
             "gpus": {k: t.to_dict() for k, t in self.gpus.items()},
             "efa": {k: t.to_dict() for k, t in self.efa.items()},
             "rdma": self.rdma.to_dict(),
+            "pcie": self.pcie.to_dict(),
             "adapters": self.adapters.to_dict(),
             "known_gpus": dict(self.known_gpus),
             "known_efa": dict(self.known_efa),
@@ -315,6 +318,7 @@ class Classifier:
         self.gpus = part("gpus", lambda v: _tracks(v, GpuTrack.from_dict, problems), {})
         self.efa = part("efa", lambda v: _tracks(v, EfaTrack.from_dict, problems), {})
         part("rdma", lambda v: self.rdma.load(v, problems), None)
+        part("pcie", lambda v: self.pcie.load(v, problems), None)
         part("adapters", lambda v: self.adapters.load(v, problems), None)
         self.known_gpus = part("known_gpus", _words, {})
         self.known_efa = part("known_efa", _words, {})

@@ -41,10 +41,11 @@ FIELDS = ("count", "window", "sustain", "after_boot_grace")
 GPU = "gpu"
 EFA = "efa"
 RDMA = "rdma"
+PCIE = "pcie"
 INVENTORY = "inventory"
 EVENTS = "events"
 READING_WORDS = {GPU: "GPU readings", EFA: "EFA readings", RDMA: "RDMA port readings",
-                 INVENTORY: "inventory readings"}
+                 PCIE: "PCIe AER readings", INVENTORY: "inventory readings"}
 
 
 @dataclass(frozen=True)

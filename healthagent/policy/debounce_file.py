@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from healthagent.policy.debounce import (ALIASES, EVENTS, FIELDS, INVENTORY, MAX_HITS, READING_WORDS, EFA,
-                                         GPU, RDMA, Rule, row)
+                                         GPU, PCIE, RDMA, Rule, row)
 from healthagent.policy.findings import DOCS, FINDING_CODES, duration_words
 from healthagent.policy.policy_error import PolicyError
 from healthagent.policy.policy_error import shown_key as _shown
@@ -77,6 +77,7 @@ def reading_intervals(settings: Any) -> dict[str, float]:
     counted on every new set of GPU or EFA samples."""
     gpu = settings.nvml_interval_seconds if settings.nvml or not settings.dcgm_url else settings.dcgm_interval_seconds
     return {GPU: float(gpu), EFA: float(settings.efa_interval_seconds), RDMA: float(settings.rdma_interval_seconds),
+            PCIE: float(settings.rdma_interval_seconds),  # the AER files are read on the RDMA ports' schedule
             INVENTORY: float(min(gpu, settings.efa_interval_seconds))}
 
 

@@ -14,11 +14,12 @@ Columns:
 
 - ``code``, ``title`` (a few words), ``condition`` (``gpu`` or ``network``: the node condition it
   turns), ``action`` (empty: decided per event by a catalog, the XID or the mlx5 one);
-- ``reads`` (how its signal arrives: ``events``, ``gpu``, ``efa``, ``rdma``, ``inventory``),
+- ``reads`` (how its signal arrives: ``events``, ``gpu``, ``efa``, ``rdma``, ``pcie``, ``inventory``),
   ``kind`` (``condition``: a state read every time; ``event``);
 - ``count``, ``window``, ``sustain``, ``after_boot_grace``: the built-in debounce rule (seconds;
   an empty window: ``count`` readings in a row), as ``debounce.py`` describes;
-- ``thresholds``: the ``thresholds:`` keys of the policy file its rule reads (space-separated);
+- ``thresholds``: the ``thresholds:`` keys of the policy file its rule reads (space-separated), each
+  a row of ``thresholds.csv`` (its default, kind and source; ``threshold_catalog.py``);
 - ``eks_reason``, ``eks_reason_from`` (``nma``: the EKS node monitoring agent's name; ``coined``);
 - ``hyperpod_fault_type``: the value of SageMaker HyperPod's ``fault-types`` label;
 - ``runbook`` (the docs anchor), ``next_steps`` (a template: ``{gpu}``, ``{index}``, ``{device}``).
@@ -41,7 +42,7 @@ COLUMNS = ("code", "title", "condition", "action", "reads", "kind", "count", "wi
            "after_boot_grace", "thresholds", "eks_reason", "eks_reason_from", "hyperpod_fault_type",
            "runbook", "next_steps")
 CONDITIONS = ("gpu", "network")
-READS = ("events", "gpu", "efa", "rdma", "inventory")
+READS = ("events", "gpu", "efa", "rdma", "pcie", "inventory")
 KINDS = ("condition", "event")
 REASON_FROM = ("nma", "coined")
 

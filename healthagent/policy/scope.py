@@ -9,6 +9,12 @@ be quarantined at once before the node becomes the unit (``gpu_quarantine_max``)
 monitor-level findings show as a ``None`` device taint, and whether device quarantines use
 ``NoExecute`` at all (``noexecute``; see docs/design.md for the budget).
 
+A code's default scope is its action's row; ``scope.csv`` names a code only where the code itself
+decides (an NVSwitch serves every GPU; a missing GPU cannot be named), so a new code needs no row
+here and its catalog row stays the one place that states it. A per-code column in
+``findings.csv`` would be empty for every code but those two, and the scope of a code whose action
+is decided per event (GPU_XID, RDMA_ADAPTER_EVENT) is its action's anyway.
+
 Scope is a statement of policy, not a guarantee that a device can be quarantined: the effects
 fall back to the node when DRA is not served or the GPU is not published (``healthagent/dra``).
 """

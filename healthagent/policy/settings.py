@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 
 from healthagent.config import read_yaml
 from healthagent.model import Action
-from healthagent.policy.debounce import ALIASES, Rule, alias_default
+from healthagent.policy.debounce import ALIASES, Rule
 from healthagent.policy.debounce_file import Rules, built_in_rules, parse_rules
 from healthagent.policy.findings import DOCS, FINDING_CODES
 from healthagent.policy.mlx5_catalog import event_ids
@@ -46,51 +46,11 @@ from healthagent.policy.policy_error import shown_key as _shown
 from healthagent.policy.policy_error import written_value as _written
 from healthagent.policy.rdma_ports_file import PortExpectation, expectation_for, parse_rdma_ports
 from healthagent.policy.scope import ScopePolicy, parse_scope
+from healthagent.policy.threshold_catalog import THRESHOLDS
 
 
-@dataclass(frozen=True)
-class Threshold:
-    default: float
-    kind: str  # "seconds" | "count" (integer >= 1) | "number" (>= 0) | "factor" (>= 1)
-    help: str
-
-
-# Every tunable number, with its default and the source of that default.
-THRESHOLDS: dict[str, Threshold] = {
-    "incident_quiet_seconds": Threshold(180, "seconds", "silence that ends an XID incident (NVIDIA fleet tooling: 3 min)"),
-    "xid_window_seconds": Threshold(3600, "seconds", "an XID incident below reboot_node drives the verdict this long after its last XID"),
-    "xid_dedupe_seconds": Threshold(10, "seconds", "the same XID from kmsg and NVML within this many seconds counts once"),
-    "max_incidents_per_gpu": Threshold(32, "count", "open XID incidents kept per GPU (oldest, mildest dropped first)"),
-    # Two keys older files use for what is now a rule of the findings: table (debounce.py); their
-    # defaults are the table's, and setting one sets that field of every code it names.
-    "condition_raise_evaluations": Threshold(alias_default("condition_raise_evaluations"), "count", "consecutive bad evaluations before a condition (remap pending, lost GPU ...) is raised: the count of every condition's rule"),
-    "condition_clear_evaluations": Threshold(3, "count", "consecutive good evaluations before a condition below reboot_node clears"),
-    "counter_quiet_seconds": Threshold(300, "seconds", "a rate finding clears after this long under its threshold"),
-    "counter_window_seconds": Threshold(3600, "seconds", "a counter-growth finding below reboot_node (DBE) drives the verdict this long after the last growth"),
-    "rate_window_seconds": Threshold(60, "seconds", "window over which NVLink, PCIe, EFA and RDMA counter growth is measured"),
-    "sbe_window_seconds": Threshold(600, "seconds", "window of the corrected-ECC rate (compared with the window before it)"),
-    "sbe_storm_per_minute": Threshold(10, "number", "corrected ECC errors per minute that count as a storm (DCGM's placeholder limit)"),
-    "sbe_acceleration_factor": Threshold(2, "factor", "the corrected-error rate must exceed the previous window's rate times this"),
-    "retired_pages_limit": Threshold(60, "count", "retired pages (single+double bit) that mean RMA (DCGM/NVIDIA: 60)"),
-    "retired_pages_dbe_limit": Threshold(15, "count", "double-bit retired pages past which more than one new one a week means RMA (DCGM: 15)"),
-    "nvlink_errors_per_minute": Threshold(0, "number", "NVLink replay+recovery errors per minute tolerated (DCGM: any growth)"),
-    "nvlink_crc_errors_per_second": Threshold(100, "number", "NVLink CRC (flit+data) errors per second tolerated (DCGM: 100/s)"),
-    "pcie_replay_per_minute": Threshold(8, "number", "PCIe replays per minute tolerated (DCGM: 8/min)"),
-    "throttle_sustain_seconds": Threshold(alias_default("throttle_sustain_seconds"), "seconds", "a HW thermal / power-brake slowdown must last this long to count: the sustain of both throttle rules"),
-    "efa_unresponsive_remote_per_minute": Threshold(100, "number", "unresponsive_remote_events per minute tolerated (AWS EKS node monitoring agent: 100)"),
-    "efa_impaired_remote_per_minute": Threshold(100, "number", "impaired_remote_conn_events per minute tolerated (AWS: 100)"),
-    "efa_retrans_timeout_per_minute": Threshold(100, "number", "retrans_timeout_events per minute tolerated (AWS: 100)"),
-    "efa_cmds_err_per_minute": Threshold(100, "number", "cmds_err per minute tolerated (AWS: 100)"),
-    "efa_rx_drops_per_minute": Threshold(100, "number", "rx_drops per minute tolerated (AWS: 100)"),
-    "efa_wr_err_per_minute": Threshold(100, "number", "rdma_read_wr_err + rdma_write_wr_err per minute tolerated (AWS: 100)"),
-    # InfiniBand PortCounters: infiniband-diags' default error thresholds (ibqueryerrors), per minute.
-    "rdma_symbol_error_per_minute": Threshold(10, "number", "symbol_error per minute tolerated (infiniband-diags' SymbolErrorCounter threshold: 10)"),
-    "rdma_link_error_per_minute": Threshold(10, "number", "link_error_recovery + local_link_integrity_errors per minute tolerated (infiniband-diags: 10 each)"),
-    "rdma_rcv_errors_per_minute": Threshold(10, "number", "port_rcv_errors + port_rcv_remote_physical_errors per minute tolerated (infiniband-diags' PortRcvErrors: 10)"),
-    "rdma_xmit_discards_per_minute": Threshold(100, "number", "port_xmit_discards per minute tolerated (infiniband-diags' PortXmitDiscards: 100)"),
-    "mlx5_window_seconds": Threshold(3600, "seconds", "a ConnectX (mlx5) adapter event below reboot_node drives the verdict this long after its last line"),
-    "mlx5_repeat_seconds": Threshold(604800, "seconds", "a reboot_node adapter event that comes back on the same adapter after a reboot, within this long of the last one, becomes replace_node (0: never)"),
-}
+# Every tunable number, its default and the source of that default: thresholds.csv
+# (``threshold_catalog.py``).
 
 _NUMBER = re.compile(r"[0-9]{1,64}")  # ASCII digits only: str.isdigit() also takes "٩٤" and "²"
 # The file's sections and what each says (docs/reference/settings.md is generated from this table).
@@ -111,7 +71,6 @@ MAX_XID = 999_999_999
 # The largest value of each kind of threshold: far past any real use, small enough that windows,
 # counts and the arithmetic on them stay meaningful (to turn a rule off, use disabled_rules).
 MAX_BY_KIND = {"seconds": 30 * 24 * 3600.0, "count": 1_000_000.0, "number": 1e9, "factor": 1000.0}
-MAX_INCIDENTS_PER_GPU = 64  # each open incident is memory, a finding and part of the state file
 
 
 @dataclass(frozen=True)
@@ -221,10 +180,9 @@ def _threshold(key: str, raw: Any) -> float:
         raise PolicyError(f"thresholds.{key}: {value:g} must be a whole number of at least 1, {example}")
     if spec.kind == "factor" and value < 1:
         raise PolicyError(f"thresholds.{key}: {value:g} must be at least 1, {example}")
-    if spec.kind == "seconds" and value == 0 and key in ("incident_quiet_seconds", "rate_window_seconds",
-                                                          "sbe_window_seconds"):
+    if spec.above_zero and value == 0:
         raise PolicyError(f"thresholds.{key}: must be greater than 0 seconds, {example}")
-    limit = MAX_INCIDENTS_PER_GPU if key == "max_incidents_per_gpu" else MAX_BY_KIND[spec.kind]
+    limit = spec.maximum if spec.maximum is not None else MAX_BY_KIND[spec.kind]
     if value > limit:
         off = "; to turn the rule off use disabled_rules" if spec.kind == "number" else ""
         unit = f" ({limit / 86400:g} days)" if spec.kind == "seconds" else ""

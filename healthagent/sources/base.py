@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
 from healthagent.common import ErrorTally
-from healthagent.model import AdapterEvent, EfaSample, GpuSample, RdmaPort, SourceHealth, XidEvent
+from healthagent.model import AdapterEvent, EfaSample, GpuSample, PcieAerSample, RdmaPort, SourceHealth, XidEvent
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class SourceResult:
     efa: tuple[EfaSample, ...] = ()
     rdma: tuple[RdmaPort, ...] = ()
     adapter_events: tuple[AdapterEvent, ...] = ()  # mlx5 (ConnectX) lines of the kernel log
+    aer: tuple[PcieAerSample, ...] = ()  # PCIe AER statistics (sources/pcie_aer.py)
 
 
 class Source(Protocol):

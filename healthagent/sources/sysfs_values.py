@@ -1,4 +1,5 @@
-"""What the kernel can write in an RDMA device's sysfs files, and nothing else, taken as a reading.
+"""What the kernel can write in an RDMA device's sysfs files and a PCI function's AER statistics, and
+nothing else, taken as a reading.
 
 Every RDMA sysfs source (EFA, InfiniBand/RoCE) reads its values through these checks (by way of
 ``sysfs_reader``), so a value the kernel cannot produce is never evidence: the part it belongs to
@@ -65,3 +66,53 @@ def kernel_state(raw: bytes, table: dict[int, str]) -> tuple[int, str] | None:
 def no_counter(raw: bytes) -> bool:
     """Text that says the port has no such counter (``N/A (no PMA)``): absent, not an error."""
     return raw.lstrip().startswith(NO_PMA)
+
+
+# -- PCIe AER statistics (drivers/pci/pcie/aer.c, Documentation/ABI/testing/sysfs-bus-pci-devices-aer_stats)
+#
+# ``aer_dev_correctable``, ``aer_dev_nonfatal`` and ``aer_dev_fatal`` exist only on an AER-capable
+# function (``aer_stats_attrs_are_visible``). Each is one ``"%s %llu\n"`` line per error the
+# kernel names (``RxErr``, ``BadTLP`` ... for correctable; ``DLP``, ``CmpltTO``, ``MalfTLP`` ... for
+# uncorrectable), a ``"<array>_bit[%d] %llu\n"`` line for a non-zero bit it has no name for, and
+# last ``"TOTAL_%s %llu\n"`` with ERR_COR, ERR_NONFATAL or ERR_FATAL: the number of error messages
+# of that severity the function reported since it was enumerated.
+AER_FILES: dict[str, str] = {"correctable": "aer_dev_correctable", "nonfatal": "aer_dev_nonfatal",
+                             "fatal": "aer_dev_fatal"}
+AER_TOTALS: dict[str, str] = {"correctable": "TOTAL_ERR_COR", "nonfatal": "TOTAL_ERR_NONFATAL",
+                              "fatal": "TOTAL_ERR_FATAL"}
+AER_BITS: dict[str, str] = {"correctable": "dev_cor_errs", "nonfatal": "dev_nonfatal_errs",
+                            "fatal": "dev_fatal_errs"}
+AER_MAX_LINES = 40  # 32 status bits and the total: a file this long is not the kernel's
+# A count past 2**48 cannot be reached: the kernel handles AER messages one interrupt at a time,
+# far below a million a second, and 2**48 at that rate takes nine years. A larger number (a
+# u64 at its limit, a torn read) is garbage, and one read as growth would take a node out.
+AER_MAX_COUNT = 2**48
+_AER_LINE = re.compile(r"^([A-Za-z][A-Za-z0-9_]{0,39}|dev_(?:cor|fatal|nonfatal)_errs_bit\[[0-9]{1,2}\]) "
+                       r"([0-9]{1,20})$")
+
+
+def parse_aer_stats(raw: bytes, severity: str) -> tuple[int, dict[str, int]] | None:
+    """One ``aer_dev_*`` file: (its TOTAL, the non-zero counts by error name), or None when the text
+    is not what the kernel writes for ``severity`` (a line of another shape, the TOTAL missing,
+    another severity's TOTAL, a count past ``AER_MAX_COUNT``, a bit line of another array)."""
+    try:
+        lines = raw.decode("ascii").splitlines()
+    except UnicodeDecodeError:
+        return None
+    if not lines or len(lines) > AER_MAX_LINES:
+        return None
+    named: dict[str, int] = {}
+    for line in lines[:-1]:
+        match = _AER_LINE.match(line)
+        if match is None or match.group(1).startswith("TOTAL_") or match.group(1) in named:
+            return None
+        name, value = match.group(1), int(match.group(2))
+        if "[" in name and not name.startswith(AER_BITS[severity] + "_bit["):
+            return None
+        if value > AER_MAX_COUNT:
+            return None
+        named[name] = value
+    last = _AER_LINE.match(lines[-1])
+    if last is None or last.group(1) != AER_TOTALS[severity] or int(last.group(2)) > AER_MAX_COUNT:
+        return None
+    return int(last.group(2)), {name: value for name, value in named.items() if value}

@@ -28,7 +28,7 @@ import pytest
 
 from healthagent.effects.node_desired import CLEAR_ANNOTATION
 from healthagent.model import Action, Verdict
-from healthagent.policy.explain import EKS_REBOOT_XIDS
+from healthagent.present.engine_words import EKS_REBOOT_XIDS
 from tests.effects.helpers import T0, cleared_by
 from tests.effects.test_engine_contracts import (  # noqa: F401 (cluster, fake_or_none: fixtures)
     GRACE, KARPENTER_POLICIES, POOL, XID79, XID94, XID94_LINE, cluster, due_repair, effects_for, fake_or_none,

@@ -11,7 +11,8 @@ import pytest
 
 from healthagent.model import Action
 from healthagent.policy.catalog import load_catalog, read_bundled_rows, recovery_action
-from healthagent.policy.classify import classify_event, explain
+from healthagent.policy.classify import classify_event
+from healthagent.present.explain import explain
 from healthagent.policy.settings import Policy, parse_policy
 from tests.support.policy import xid
 

@@ -164,8 +164,10 @@ def test_the_old_threshold_keys_default_to_the_table():
     assert Policy().rule("GPU_THERMAL_THROTTLE") == Rule(sustain=300.0)
     assert Policy().rule("RDMA_PORT_DOWN") == Rule(sustain=30.0, after_boot_grace=300.0)
     assert Policy().rule("RDMA_LINK_FLAPPING") == Rule(count=5, window=60.0)
+    assert Policy().rule("PCIE_AER_CORRECTABLE") == Rule(sustain=300.0)
     assert all(Policy().rule(code) == AT_ONCE for code in FINDING_CODES
-               if "THROTTLE" not in code and code not in ("RDMA_PORT_DOWN", "RDMA_LINK_FLAPPING"))
+               if "THROTTLE" not in code and code not in ("RDMA_PORT_DOWN", "RDMA_LINK_FLAPPING",
+                                                          "PCIE_AER_CORRECTABLE"))
 
 
 @pytest.mark.parametrize("rule,readings,opened", [

@@ -10,7 +10,7 @@ import pytest
 
 from healthagent.cli import main
 from healthagent.model import Action
-from healthagent.policy.explain import NMA_FATAL_XIDS, engine_lines
+from healthagent.present.engine_words import NMA_FATAL_XIDS, engine_lines
 
 OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
@@ -112,7 +112,7 @@ def test_under_eks_karpenter_v115_is_paced_by_budgets_and_reboots_by_reason(caps
 
 def test_the_install_guide_says_per_engine_and_version_what_explain_says():
     """explain and docs/install.md name the same releases, each engine with its own paragraph."""
-    from healthagent.policy.explain import KARPENTER_V115, KARPENTER_VERSION, NMA_VERSION
+    from healthagent.present.engine_words import KARPENTER_V115, KARPENTER_VERSION, NMA_VERSION
 
     text = (OPERATIONS.parent / "install.md").read_text(encoding="utf-8")
     section = text.split("### Per engine and version", 1)[1].split("\n## ", 1)[0]

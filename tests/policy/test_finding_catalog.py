@@ -18,7 +18,9 @@ from healthagent.model import Action
 from healthagent.policy.debounce import BUILT_IN
 from healthagent.policy.finding_catalog import COLUMNS, CatalogError, catalog, catalog_rows, parse_catalog
 from healthagent.policy.findings import FINDINGS
-from healthagent.policy.settings import THRESHOLDS
+from healthagent.policy.threshold_catalog import COLUMNS as THRESHOLD_COLUMNS
+from healthagent.policy.threshold_catalog import KINDS as THRESHOLD_KINDS
+from healthagent.policy.threshold_catalog import THRESHOLDS, parse_thresholds
 
 ROOT = Path(__file__).parents[2]
 POLICY_DIR = Path(healthagent.policy.__file__).parent
@@ -107,3 +109,33 @@ def test_a_rate_rules_threshold_is_in_its_row():
     from healthagent.policy import rules_efa, rules_rdma
     for code, _, key in rules_efa.RATE_RULES + rules_rdma.RATE_RULES:
         assert key in catalog()[code].thresholds, (code, key)
+
+
+def test_every_threshold_a_row_names_exists_and_every_threshold_is_read_by_a_row():
+    """thresholds.csv and the rows' thresholds column agree both ways: a row cannot name a key the
+    policy file refuses, and a threshold no rule reads would be a setting that does nothing."""
+    named = {key for row in catalog_rows() for key in row.thresholds}
+    assert named - set(THRESHOLDS) == set(), "rows name thresholds that thresholds.csv lacks"
+    assert set(THRESHOLDS) - named == set(), "thresholds that no row's rule reads"
+
+
+def test_the_thresholds_table_states_each_default_and_its_source():
+    for name, spec in THRESHOLDS.items():
+        assert spec.help and spec.source, name
+        assert spec.kind in THRESHOLD_KINDS, name
+    # The two keys that set a field of several rows take their default from those rows.
+    assert THRESHOLDS["throttle_sustain_seconds"].default == BUILT_IN["GPU_THERMAL_THROTTLE"].rule.sustain
+    assert THRESHOLDS["condition_raise_evaluations"].default == BUILT_IN["GPU_LOST"].rule.count
+
+
+@pytest.mark.parametrize("text,error", [
+    ("name,default\nx,1\n", "the columns must be"),
+    (",".join(THRESHOLD_COLUMNS) + "\nx,1,seconds,,,h,s\nx,1,seconds,,,h,s\n", "x has two rows"),
+    (",".join(THRESHOLD_COLUMNS) + "\nx,1,minutes,,,h,s\n", "kind 'minutes' is not one of"),
+    (",".join(THRESHOLD_COLUMNS) + "\nx,,seconds,,,h,s\n", "x: a default is needed"),
+    (",".join(THRESHOLD_COLUMNS) + "\nx,-1,seconds,,,h,s\n", "default '-1' is not a number of 0 or more"),
+    (",".join(THRESHOLD_COLUMNS) + "\nx,ten,seconds,,,h,s\n", "default 'ten' is not a number"),
+])
+def test_a_malformed_thresholds_table_is_refused_by_name(text, error):
+    with pytest.raises(CatalogError, match=re.escape(error)):
+        parse_thresholds(text)

@@ -54,6 +54,6 @@ def test_the_golden_file_shows_the_scripted_state() -> None:
     assert sample_value(every, "healthagent_node_action", action="replace_node") == 1
     assert sample_value(every, "healthagent_node_taint_applied") == 1
     assert {s.labels["source"]: s.value for s in every if s.name == "healthagent_source_up"} == {
-        "efa": 1, "kmsg": 1, "nvml": 1, "rdma": 1}
+        "efa": 1, "kmsg": 1, "nvml": 1, "pcie_aer": 1, "rdma": 1}
     assert sample_value(every, "healthagent_scaling_events_total", job="llama-golden",
                         direction="down", reason="fault") == 1

@@ -8,13 +8,14 @@ incident the same screen answers "why did this open now, and not at boot?".
 
 from __future__ import annotations
 
+from healthagent.effects.conditions import EKS_REASONS, NMA
 from healthagent.policy.debounce import EVENTS, FIELDS, READING_WORDS, Rule, row
 from healthagent.policy.debounce_file import BUILT_IN_ORIGIN
-from healthagent.policy.explain import PERSISTENCE
 from healthagent.policy.finding_catalog import catalog
 from healthagent.policy.findings import FINDINGS, duration_words
 from healthagent.policy.settings import Policy
 from healthagent.policy.scope import explain_scope
+from healthagent.present.explain import PERSISTENCE
 
 # The thresholds that can end an event finding below reboot_node, first match in the row's
 # thresholds (the catalog's column) wins; none of them: counter_quiet_seconds.
@@ -95,7 +96,8 @@ def catalog_lines(code: str, policy: Policy) -> list[str]:
     lines = [f"Condition: the node's {'network' if row.condition == 'network' else 'GPU'} condition"]
     if row.thresholds:
         lines.append("Thresholds: " + ", ".join(f"{key} {policy.thresholds[key]:g}" for key in row.thresholds))
-    source = "the EKS node monitoring agent's" if row.eks_reason_from == "nma" else "coined by healthagent"
-    lines.append(f"Reasons: {code} (healthagent vocabulary); {row.eks_reason} (eks, {source}); "
+    reason, origin = EKS_REASONS[code]
+    source = f"the {origin}'s" if origin == NMA else origin
+    lines.append(f"Reasons: {code} (healthagent vocabulary); {reason} (eks, {source}); "
                  f"fault-types {row.hyperpod_fault_type} (SageMaker HyperPod)")
     return lines

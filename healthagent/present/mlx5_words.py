@@ -19,10 +19,10 @@ from typing import Any
 from healthagent.model import Action, AdapterEvent, XidEvent
 from healthagent.policy.catalog import Catalog
 from healthagent.policy.classify import classify_event
-from healthagent.policy.explain import xid_rule_line
 from healthagent.policy.findings import FINDINGS, duration_words
 from healthagent.policy.mlx5_catalog import Mlx5Catalog, Mlx5Entry
 from healthagent.policy.settings import Policy
+from healthagent.present.explain import xid_rule_line
 
 ADAPTER_EVENT = "RDMA_ADAPTER_EVENT"  # the finding an adapter event below "none" opens
 MLX5_KEY = "mlx5"  # a classify row's key for the event id, and the policy file's section
