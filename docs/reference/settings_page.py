@@ -127,7 +127,7 @@ def _policy_section() -> list[str]:
     lines += [item(code(name) + ":", text + ".") for name, text in SECTIONS.items()]
     lines += ["", wrap("When each finding opens (the `findings:` section) is listed per code in "
                        "[findings.md](findings.md), column opens."), "",
-              f"### Thresholds ({len(THRESHOLDS)})", "", wrap(
+              "### Thresholds", "", wrap(
                   "The keys of `thresholds:`. A value is " + "; ".join(f"`{k}`: {v}" for k, v in KINDS.items())
                   + f". Largest values by kind: {largest}."), ""]
     for key, threshold in THRESHOLDS.items():

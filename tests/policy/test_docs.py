@@ -6,7 +6,8 @@ from pathlib import Path
 from healthagent.policy.findings import FINDING_CODES, FINDINGS
 from healthagent.policy.settings import THRESHOLDS
 
-DOC = (Path(__file__).parents[2] / "docs" / "findings.md").read_text(encoding="utf-8")
+DOC_PATH = Path(__file__).parents[2] / "docs" / "findings.md"
+DOC = DOC_PATH.read_text(encoding="utf-8")
 
 # The stable finding codes (docs, alerts and dashboards use them).
 STABLE_CODES = """GPU_XID NVSWITCH_SXID GPU_ECC_DBE GPU_SBE_STORM GPU_ROW_REMAP_FAILURE GPU_ROW_REMAP_PENDING
@@ -37,9 +38,13 @@ def test_every_code_has_a_section_with_meaning_evidence_action_runbook():
         assert FINDINGS[code].runbook == f"docs/findings.md#{code.lower()}"
 
 
-def test_every_threshold_is_documented_with_its_default():
+def test_every_threshold_is_in_the_settings_reference_with_its_default():
+    """The runbook links the generated settings reference, which lists each threshold's default."""
+    assert "(reference/settings.md#thresholds)" in DOC
+    reference = (DOC_PATH.parent / "reference" / "settings.md").read_text()
     for name, spec in THRESHOLDS.items():
-        assert f"| `{name}` | {spec.default:g} |" in DOC, name
+        if spec.default is not None:
+            assert f"- `{name}` (" in reference and f"default `{spec.default:,g}`" in reference, name
 
 
 def test_no_port_down_rule_is_explained():
