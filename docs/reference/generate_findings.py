@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from page_text import COMMAND, first_line
+from page_text import COMMAND, first_line, item, row as table_row
 
 from healthagent.effects.conditions import VOCABULARIES
 from healthagent.policy.debounce import BUILT_IN
@@ -27,14 +27,15 @@ HEADER = f"""{first_line(f"`healthagent/policy/{CATALOG_FILE}`")}
 
 # Finding codes (generated)
 
-Generated from `healthagent/policy/{CATALOG_FILE}` and `{THRESHOLDS_FILE}` by `{COMMAND}`; do not
-edit by hand. The runbook of each code is its section in [findings.md](../findings.md);
-`healthagent explain CODE` prints the same row with the policy in force.
+Generated from `healthagent/policy/{CATALOG_FILE}` and `healthagent/policy/{THRESHOLDS_FILE}` by
+`{COMMAND}`; do not edit by hand. The runbook of each code is its section in
+[findings.md](../findings.md); `healthagent explain CODE` prints the same row with the policy in force.
 
-Columns: the node condition a finding turns (default vocabulary / `eks`), the action it demands
-(`per event`: the XID or ConnectX catalog decides), when it opens by default (the `findings:` rule
-of the policy file), the `thresholds:` keys its rule reads, its condition reason under `eks`
-(the default vocabulary's reason is the code), and SageMaker HyperPod's `fault-types` value.
+The table: each code, what it means, the action it demands (`per event`: the XID or ConnectX
+catalog decides) and when it opens by default (the `findings:` rule of the policy file). Below it,
+per code: the node condition it turns (default vocabulary / `eks`), its condition reason under
+`eks` (the default vocabulary's reason is the code), SageMaker HyperPod's `fault-types` value and
+the `thresholds:` keys its rule reads.
 """
 
 
@@ -44,27 +45,31 @@ def _condition(row: CatalogRow) -> str:
 
 
 def _line(row: CatalogRow) -> str:
-    cells = (f"[`{row.code}`](../{row.runbook.removeprefix('docs/')})", row.title, _condition(row),
-             f"`{row.action}`" if row.action else "per event", BUILT_IN[row.code].rule.words(),
-             " ".join(f"`{key}`" for key in row.thresholds) or "-",
-             f"`{row.eks_reason}`" + (" (coined)" if row.eks_reason_from == "coined" else ""),
-             row.hyperpod_fault_type)
-    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+    return table_row((f"[`{row.code}`](../{row.runbook.removeprefix('docs/')})", row.title,
+                      f"`{row.action}`" if row.action else "per event", BUILT_IN[row.code].rule.words()))
+
+
+def _detail(row: CatalogRow) -> str:
+    reason = f"`{row.eks_reason}`" + (" (coined)" if row.eks_reason_from == "coined" else "")
+    keys = " ".join(f"`{key}`" for key in row.thresholds) or "none"
+    return item(f"`{row.code}`:", f"condition {_condition(row)}; eks reason {reason}; HyperPod "
+                                   f"{row.hyperpod_fault_type}; thresholds {keys}.")
 
 
 def render() -> str:
-    lines = [HEADER, "| code | meaning | condition | action | opens | thresholds | eks reason | HyperPod |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [_line(row) for row in catalog_rows()]
+    rows = catalog_rows()
+    lines = [HEADER, "| code | meaning | action | opens |", "| --- | --- | --- | --- |"]
+    lines += [_line(row) for row in rows]
+    lines += ["", "## Per code", ""] + [_detail(row) for row in rows]
     lines += ["", "## Thresholds", "",
-              "The `thresholds:` keys of the policy file: the default, its kind (`seconds`; `count`: a whole "
-              "number of at least 1; `number`: 0 or more; `factor`: at least 1), where the default comes "
-              "from, and the codes whose rules read it.", "",
-              "| threshold | default | kind | meaning | source | read by |", "| --- | --- | --- | --- | --- | --- |"]
+              "The `thresholds:` keys of the policy file: the default, its kind (`seconds`; `count`: a whole",
+              "number of at least 1; `number`: 0 or more; `factor`: at least 1), what it means, where the",
+              "default comes from, and the codes whose rules read it.", ""]
     for name, spec in THRESHOLDS.items():
-        codes = " ".join(f"`{row.code}`" for row in catalog_rows() if name in row.thresholds) or "-"
-        cells = (f"`{name}`", f"{spec.default:g}", spec.kind, spec.help, spec.source or "-", codes)
-        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        codes = " ".join(f"`{row.code}`" for row in rows if name in row.thresholds) or "none"
+        default = "from the `findings:` table" if spec.default is None else f"{spec.default:g}"
+        lines.append(item(f"`{name}` ({spec.kind}, default {default}):",
+                          f"{spec.help}. Source: {spec.source or '-'}. Read by {codes}."))
     return "\n".join(lines) + "\n"
 
 
