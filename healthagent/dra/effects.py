@@ -6,11 +6,15 @@ part, then brings the agent's DeviceTaintRules to the device part: a rule per qu
 ``NoSchedule`` at once and ``NoExecute`` once the grace is over when the finding calls for it,
 deleted when the finding clears. An Event on the Node names the device and why.
 
-What it learns from the API server: whether ``devicetaintrules`` are served (discovery, at
-start-up and on each slice refresh) and the node's ResourceSlices (a LIST field-selected by
-``spec.nodeName``, refreshed every ``refresh_seconds``). Where either is missing, the split gives
-the node everything, so the node behaves exactly as without this layer, and the fallback is said
-once (log, ``status()``, metrics and ``check``).
+What it learns from the API server, only while DRA is in use (a GPU-scope finding to place, a
+quarantine to keep or lift, an earlier run's rules to look for): whether ``devicetaintrules`` are
+served (discovery, once each time DRA comes into use; again every ``refresh_seconds`` while it
+is not served) and, while a GPU-scope finding is open, the node's ResourceSlices (one LIST, then
+one watch field-selected by ``spec.nodeName``: ``dra/slice_watch.py``), so a slice change reaches
+the agent when it happens. A healthy node makes no DRA request and holds no watch. Where DRA is not
+served or the GPU is not published, the split gives the node everything, so the node behaves
+exactly as without this layer, and the fallback is said once (log, ``status()``, metrics and
+``check``).
 """
 
 from __future__ import annotations
@@ -22,17 +26,20 @@ from typing import Any, Callable, Mapping
 
 from healthagent.common import ErrorTally
 from healthagent.dra.rules import GROUP, PLURAL, SELECTOR, VERSION, effect_now, rule_spec, spec_of
+from healthagent.dra.slice_watch import SliceWatch
 from healthagent.dra.slices import DeviceMap, device_map
 from healthagent.dra.split import NOT_SERVED, Split, split_verdict
-from healthagent.effects.backend import AlreadyExists, ApiError, ApiRejected, ApiUnavailable, classify_api_exception
+from healthagent.effects.backend import (AlreadyExists, ApiError, ApiRejected, ApiUnavailable, WatchStream,
+                                         classify_api_exception)
 from healthagent.effects.events import WARNING, EVENTS_NAMESPACE, EventSpec, event_body
 from healthagent.model import KubeStatus, SourceHealth, Verdict
 from healthagent.policy.scope import ScopePolicy
 
 log = logging.getLogger(__name__)
 
-REFRESH_SECONDS = 60.0
+REFRESH_SECONDS = 60.0  # while DRA is in use but not served: ask discovery again this often
 SLICE_VERSION = "v1"
+WATCH_READ_SLACK_SECONDS = 30  # the watch's read timeout is the server-side timeout plus this
 
 
 class DraApi:
@@ -75,10 +82,36 @@ class DraApi:
         return any(isinstance(r, dict) and r.get("name") == PLURAL for r in resources or ())
 
     def slices(self) -> list:
+        return self.list_slices()[0]
+
+    def list_slices(self) -> tuple[list, str]:
+        """The node's ResourceSlices and the list's resourceVersion (where a watch starts)."""
         reply = self._call(self.custom.list_cluster_custom_object, GROUP, SLICE_VERSION, "resourceslices",
                            field_selector=f"spec.nodeName={self.node_name}")
         items = reply.get("items") if isinstance(reply, dict) else None
-        return items if isinstance(items, list) else []
+        version = (reply.get("metadata") or {}).get("resourceVersion") if isinstance(reply, dict) else None
+        if not isinstance(version, str) or not version:
+            raise ApiUnavailable("ResourceSlice list reply has no resourceVersion")
+        return (items if isinstance(items, list) else []), version
+
+    def watch_slices(self, resource_version: str, timeout_seconds: int) -> WatchStream:
+        """A watch on the node's ResourceSlices from ``resource_version``, with bookmarks; the
+        server ends it after ``timeout_seconds``."""
+        # deferred: as above, the kubernetes client and its urllib3 load only in a cluster mode
+        from kubernetes.client.exceptions import ApiException
+        import urllib3
+
+        try:
+            response = self.custom.list_cluster_custom_object(
+                GROUP, SLICE_VERSION, "resourceslices", field_selector=f"spec.nodeName={self.node_name}",
+                watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
+                timeout_seconds=timeout_seconds, _preload_content=False,
+                _request_timeout=(self.timeout[0], timeout_seconds + WATCH_READ_SLACK_SECONDS))
+        except ApiException as exc:
+            raise classify_api_exception(exc) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiUnavailable(f"{type(exc).__name__}: {exc}") from None
+        return WatchStream(response)
 
     def rules(self) -> list:
         reply = self._call(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL, label_selector=SELECTOR)
@@ -113,7 +146,8 @@ class DraEffects:
         self.node_name = inner.node_name
         self.served: bool | None = None  # None: not asked yet
         self.devices: DeviceMap | None = None
-        self._refreshed_at: float | None = None
+        self._asked_at: float | None = None  # discovery, this time DRA is in use (None: not asked yet)
+        self._watch: SliceWatch | None = None
         self._since: dict[str, float] = {}  # rule name -> when its quarantine began (decision clock)
         self._announced: set[str] = set()
         self._said: set[str] = set()
@@ -151,7 +185,7 @@ class DraEffects:
 
     def startup(self, now: float, boot_id: str, wall: float | None = None) -> KubeStatus:
         status = self.inner.startup(now, boot_id, wall=wall)
-        self._refresh(now)
+        self._discover(now)  # an earlier run's rules are looked for at the first reconcile
         return self._with_dra(status)
 
     def reconcile(self, verdict: Verdict, now: float, boot_id: str,
@@ -159,8 +193,15 @@ class DraEffects:
         # The cluster is asked only while there is something for DRA to do: a GPU-scope finding to
         # place, or a quarantine (of this run, or left by an earlier one) to keep or lift. A healthy
         # node costs the API server nothing here, as its node watch costs nothing.
-        if self._leftovers or self.quarantined or split_verdict(verdict, self.scope, None).fallbacks:
-            self._refresh(now)
+        placing = bool(split_verdict(verdict, self.scope, None).fallbacks)  # GPU-scope findings to place
+        if self._leftovers or self.quarantined or placing:
+            self._discover(now)
+        else:
+            self._asked_at = None  # DRA is out of use: the next use asks discovery again
+        if placing and self.served:
+            self._watch_slices()
+        else:
+            self._stop_watch()
         split = split_verdict(verdict, self.scope, self.devices if self.served else None)
         status = self.inner.reconcile(split.node_verdict, now, boot_id, health=health, wall=wall)
         self._say_fallbacks(split)
@@ -175,29 +216,61 @@ class DraEffects:
         return replace(status, gpu_quarantines=rows, dra_fallbacks=tuple(self.fallbacks))
 
     def close(self) -> None:
+        self._stop_watch()
         self.inner.close()
 
     # -- the device part -----------------------------------------------------------------------------
 
-    def _refresh(self, now: float) -> None:
+    def _discover(self, now: float) -> None:
+        """Whether DeviceTaintRules are served: asked once each time DRA comes into use, and again
+        every ``refresh_seconds`` while the answer is no."""
         if self.api is None or self.scope.dra == "off":
             self.served = False
             return
-        if self._refreshed_at is not None and now - self._refreshed_at < self.refresh_seconds:
+        if self._asked_at is not None and (self.served or now - self._asked_at < self.refresh_seconds):
             return
         try:
             self.served = self.api.serves_rules()
-            self.devices = device_map(self.api.slices(), self.node_name) if self.served else None
-            self._refreshed_at = now
+            self._asked_at = now
             self._leftovers = self._leftovers and bool(self.served)  # not served: no rule can exist
-        except ApiRejected as exc:  # 403: the DRA component (its RBAC) is not installed: not served to us
-            self.served, self.devices, self._refreshed_at, self._leftovers = False, None, now, False
-            if "forbidden" not in self._said:
-                self._said.add("forbidden")
-                log.warning("dra node=%s cannot read ResourceSlices (%s): GPU findings act on the node; "
-                            "install deploy/components/dra for per-GPU quarantine", self.node_name, exc)
-        except ApiError as exc:  # unknown: the last map stands (or none: the node's behaviour)
+        except ApiRejected as exc:
+            self._forbidden(exc, now)
+        except ApiError as exc:  # unknown: what was known stands (or nothing: the node's behaviour)
             self._tally.count("read_failed", f"node={self.node_name} {exc}")
+
+    def _forbidden(self, exc: ApiError, now: float) -> None:
+        """403: the DRA component (its RBAC) is not installed: DRA is not served to this agent."""
+        self.served, self.devices, self._asked_at, self._leftovers = False, None, now, False
+        if "forbidden" not in self._said:
+            self._said.add("forbidden")
+            log.warning("dra node=%s cannot read ResourceSlices (%s): GPU findings act on the node; "
+                        "install deploy/components/dra for per-GPU quarantine", self.node_name, exc)
+
+    def _watch_slices(self) -> None:
+        """The device map from the slice watch, started (with its LIST) when not running."""
+        if self._watch is None:
+            try:
+                items, version = self.api.list_slices()  # type: ignore[union-attr]
+            except ApiRejected as exc:
+                self._forbidden(exc, self._asked_at or 0.0)
+                return
+            except ApiError as exc:  # unknown: the last map stands (or none: the node's behaviour)
+                self._tally.count("read_failed", f"node={self.node_name} {exc}")
+                return
+            self._watch = SliceWatch(self.api, self.node_name, on_change=self._slices_changed, tally=self._tally)
+            self._watch.start(items, version)
+        self.devices = device_map(self._watch.slices(), self.node_name)
+
+    def _slices_changed(self) -> None:
+        """From the watch thread: the node's slices changed; the effects reconcile against them."""
+        callback = self.inner.on_change
+        if callback is not None:
+            callback()
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     def _say_fallbacks(self, split: Split) -> None:
         self.fallbacks = split.fallbacks
@@ -218,7 +291,8 @@ class DraEffects:
             want[spec0.name] = (quarantine, rule_spec(self.node_name, quarantine,
                                                       effect_now(quarantine, since, now, self.grace_seconds)))
         present = {}
-        if self.served and (want or self.quarantined or self._refreshed_at == now):
+        listed = bool(self.served and (want or self.quarantined or self._leftovers))
+        if listed:
             for rule in self.api.rules():
                 spec = spec_of(rule)
                 name = (rule.get("metadata") or {}).get("name")
@@ -246,7 +320,7 @@ class DraEffects:
                 self._announced.add(name)
         self._shown = shown
         self.quarantined = {path: effect for path, (_, effect) in shown.items()}
-        if self._refreshed_at == now:
+        if listed:
             self._leftovers = False  # this pass listed the node's rules and removed those unwanted
 
     def _announce(self, quarantine: Any, effect: str, wall: float) -> None:
