@@ -27,7 +27,8 @@ from dataclasses import fields
 from typing import Any, Iterator
 
 from healthagent import __version__
-from healthagent.check_report import EXIT_CANNOT_RUN, check_exit_code, check_json, collect_once, render_check
+from healthagent.check_report import (EXIT_CANNOT_RUN, check_exit_code, check_json, collect_once, gpu_scope_report,
+                                      render_check)
 from healthagent.cli_inputs import (CannotRun, InputUnreadable, choose_state_file, classify_input, dry_run_node_name,
                                     in_a_pod, named_kernel_log_problem, open_lines, state_file_given, summary)
 from healthagent.cli_token import training_token
@@ -370,7 +371,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(check_json(collection, verdict, code, earlier), indent=2, sort_keys=True, default=str))
     else:
-        print(render_check(collection, verdict, code, earlier, scope=classifier.policy.scope))
+        scope = classifier.policy.scope
+        print(render_check(collection, verdict, code, earlier, scope=scope,
+                           gpu_scope=gpu_scope_report(settings, verdict, scope)))
     return code
 
 

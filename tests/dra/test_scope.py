@@ -66,7 +66,8 @@ def test_check_says_a_gpu_finding_is_quarantined_as_one_gpu():
 
     verdict = Verdict.of([gpu_finding(3), gpu_finding(4, action=Action.REPLACE_NODE)], 1.0)
     text = render_check(Collection(timestamp=1.0), verdict, scope=ScopePolicy())
-    assert text.count("  scope: gpu: the agent quarantines this one GPU") == 1
+    assert text.count("  scope: gpu (one GPU, not the node") == 1
+    assert text.count("GPU scope: the agent quarantines this one GPU") == 1
     assert "scope: gpu" not in render_check(Collection(timestamp=1.0), verdict)
     off = render_check(Collection(timestamp=1.0), verdict, scope=ScopePolicy(dra="off"))
     assert "DRA is off in the policy file" in off
