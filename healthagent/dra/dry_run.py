@@ -76,6 +76,9 @@ class DryRunDraApi:
         with self._lock:
             self.written.pop(name, None)
 
+    def annotate_node(self, key: str, value: str | None) -> None:
+        log.info("dry-run: would set annotation %s=%s on node %s", key, value, self.node_name)
+
     def event(self, body: dict) -> None:
         log.info("dry-run: would create Event %s: %s", body.get("reason"), body.get("note"))
         with self._lock:

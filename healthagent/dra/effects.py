@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 from healthagent.common import ErrorTally
+from healthagent.dra.budget import DeviceBudget
 from healthagent.dra.rules import GROUP, PLURAL, SELECTOR, VERSION, effect_now, rule_spec, spec_of
 from healthagent.dra.slice_watch import SliceWatch
 from healthagent.dra.slices import DeviceMap, device_map
@@ -51,6 +52,7 @@ class DraApi:
 
         self.custom = client.CustomObjectsApi(api_client)
         self.events = client.EventsV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
         self.node_name = node_name
         self.timeout = timeout
 
@@ -131,6 +133,11 @@ class DraApi:
     def event(self, body: dict) -> None:
         self._call(self.events.create_namespaced_event, EVENTS_NAMESPACE, body)
 
+    def annotate_node(self, key: str, value: str | None) -> None:
+        """One annotation of the agent's own Node set (``None``: removed), by a merge patch."""
+        self._call(self.core.patch_node, self.node_name, {"metadata": {"annotations": {key: value}}},
+                   _content_type="application/merge-patch+json")
+
 
 class DraEffects:
     """``NodeEffects`` plus the device quarantines (see the module's docstring)."""
@@ -155,6 +162,8 @@ class DraEffects:
         self.quarantined: Mapping[str, str] = {}  # device path -> effect now on it
         self._shown: dict = {}  # device path -> (DeviceRef, effect)
         self.fallbacks: tuple[str, ...] = ()
+        self.held: set[str] = set()  # device paths whose NoExecute the budget holds back
+        self.device_budget = DeviceBudget(inner, api, taint_key, self._tally)
         self._leftovers = True  # an earlier run may have left rules: looked at until a pass finds none
 
     # -- the Effects protocol: the node's part delegated -------------------------------------------
@@ -213,7 +222,8 @@ class DraEffects:
 
     def _with_dra(self, status: KubeStatus) -> KubeStatus:
         rows = tuple((path, ref.uuid, ref.pci_bus_id, effect) for path, (ref, effect) in sorted(self._shown.items()))
-        return replace(status, gpu_quarantines=rows, dra_fallbacks=tuple(self.fallbacks))
+        return replace(status, gpu_quarantines=rows, dra_fallbacks=tuple(self.fallbacks),
+                       budget_blocked=status.budget_blocked or bool(self.held))
 
     def close(self) -> None:
         self._stop_watch()
@@ -302,11 +312,22 @@ class DraEffects:
             self.api.delete(name)
             self._since.pop(name, None)
             self._announced.discard(name)
-        shown = {}
+        shown, held = {}, set()
+        evicting = [p[2] for n, p in present.items() if n in want and p[3] == "NoExecute"]
         for name, (quarantine, spec) in sorted(want.items()):
             was = present.get(name)
-            if was is not None and was[3] == "NoExecute" and spec.effect == "NoSchedule":
-                spec = rule_spec(self.node_name, quarantine, "NoExecute")  # an eviction is never taken back
+            if was is not None and was[3] == "NoExecute":
+                if spec.effect != "NoExecute":
+                    spec = rule_spec(self.node_name, quarantine, "NoExecute")  # an eviction is never taken back
+                self.device_budget.keep(now)
+            elif spec.effect == "NoExecute":
+                # the Node shows the eviction before it happens; no slot (or no mark): held at NoSchedule
+                marked = tuple(sorted(evicting + [spec.device]))
+                if self.device_budget.allows(now) and self.device_budget.mark(marked):
+                    evicting.append(spec.device)
+                else:  # new claims stay off the GPU, the pods using it stay
+                    spec = rule_spec(self.node_name, quarantine, "NoSchedule")
+                    held.add(quarantine.ref.path)
             if was is None:
                 try:
                     self.api.create(spec.body(self.taint_key))
@@ -314,12 +335,20 @@ class DraEffects:
                     self.api.replace(name, spec.body(self.taint_key))
             elif was != (spec.driver, spec.pool, spec.device, spec.effect, spec.value[:63]):
                 self.api.replace(name, spec.body(self.taint_key))
+            if spec.effect == "NoExecute" and (was is None or was[3] != "NoExecute"):
+                self.device_budget.written(now)
             shown[quarantine.ref.path] = (quarantine.ref, spec.effect)
             if name not in self._announced:
                 self._announce(quarantine, spec.effect, wall)
                 self._announced.add(name)
         self._shown = shown
         self.quarantined = {path: effect for path, (_, effect) in shown.items()}
+        for path in sorted(held - self.held):
+            log.info("dra node=%s device=%s NoExecute held by the disruption budget (no slot free): the rule "
+                     "stays NoSchedule until a slot frees", self.node_name, path)
+        self.held = held
+        standing = tuple(sorted(ref.device for ref, effect in shown.values() if effect == "NoExecute"))
+        self.device_budget.settle(standing, now)
         if listed:
             self._leftovers = False  # this pass listed the node's rules and removed those unwanted
 
@@ -338,7 +367,8 @@ class DraEffects:
     def status(self) -> dict:
         """For metrics and ``check``: whether DRA is served, the mapped GPUs, the quarantines, the fallbacks."""
         return {"served": bool(self.served), "devices": len(self.devices.devices) if self.devices else 0,
-                "quarantined": dict(self.quarantined), "fallbacks": list(self.fallbacks)}
+                "quarantined": dict(self.quarantined), "fallbacks": list(self.fallbacks),
+                "held_by_budget": sorted(self.held)}
 
 
 def with_dra(scope: ScopePolicy, settings: Any, effects: Any, api_client: Any) -> Any:

@@ -90,6 +90,7 @@ class NodeEffects:
     (asked before a write, when the step needs it), ``NodeWriter`` writes a plan, the
     ``NodeWatch`` keeps the node cache current."""
 
+    device_slot: Callable[[], bool] = staticmethod(lambda: False)  # a device NoExecute holds the slot (dra/budget.py)
     def __init__(
         self,
         settings: Settings,
@@ -398,7 +399,7 @@ class NodeEffects:
     def _settle_budget(self, node: dict, plan: NodePlan, now: float) -> None:
         """The budget slot in step with the plan (no request when it already is); a slot found
         reclaimed after a failed re-write sends the node back to NoSchedule on the next attempt."""
-        if self.budget.settle(node, now, plan.wants_slot):
+        if not (self.device_slot() and not plan.wants_slot) and self.budget.settle(node, now, plan.wants_slot):
             self.record = replace(self.record, rollback=True)
             self._dirty = True
 
