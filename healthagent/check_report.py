@@ -170,8 +170,9 @@ def gpu_scope_report(settings: Settings, verdict, scope) -> str:
                            f"{settings.node_name} for " + ", ".join(_unpublished(verdict, scope, devices))),
            TOO_MANY: (f"more GPUs need a reset at once than scope.gpu_quarantine_max={scope.gpu_quarantine_max}, "
                       "so the node is the unit")}
+    steps = {"NoExecute": "NoSchedule, then NoExecute after the grace while the node holds a disruption-budget slot"}
     parts = [f"the agent quarantines GPU {q.findings[0].gpu_index} alone with a DeviceTaintRule on {q.ref.path} "
-             f"({q.effect}); the node stays in service" for q in split.quarantines]
+             f"({steps.get(q.effect, q.effect)}); the node stays in service" for q in split.quarantines]
     if split.fallbacks:
         parts.append("GPU-scope findings act on the node: " + "; ".join(why[r] for r in split.fallbacks))
     return ". ".join(parts)

@@ -9,7 +9,8 @@ node's eight GPUs, so each DeviceTaintRule is said, not written. The script:
    ``gpu-<minor>``, with the GPU's UUID and PCI bus id);
 2. XID 48 (an uncorrectable ECC error, NVIDIA's RESET_GPU bucket) on GPU 3 in the kernel log,
    with the volatile DBE count NVML reports going to 1, as the driver counts it;
-3. the one DeviceTaintRule the agent would write for that device, and no taint on the Node;
+3. the one DeviceTaintRule the agent would write for that device (NoSchedule, then NoExecute after
+   the demo's 3 s grace), and no taint on the Node;
 4. ``nvidia-smi -r -i 3``: the stub reports the volatile count back at 0, as a reset leaves it;
    the agent sees the reset through NVML, closes the GPU's findings and removes the rule;
 5. what Prometheus scrapes: ``healthagent_gpu_quarantined`` while it stood, then nothing.
@@ -24,8 +25,8 @@ from typing import Any
 
 from healthagent.demo import stub_nvml
 from healthagent.demo.node import DemoNode, build_demo_root
-from healthagent.demo.script import (Urls, demo_settings, first_cycle, keep_running, metrics_excerpt, running_agent,
-                                     say, say_findings, say_scrape, wait_for)
+from healthagent.demo.script import (DEMO_GRACE_SECONDS, Urls, demo_settings, first_cycle, keep_running,
+                                     metrics_excerpt, running_agent, say, say_findings, say_scrape, wait_for)
 from healthagent.dra.dry_run import DryRunDraApi
 from healthagent.dra.effects import DraEffects
 from healthagent.dra.slices import DRIVER_VERSION, NVIDIA_GPU_DRIVER, PCI_BUS_ID_ATTRIBUTE
@@ -53,6 +54,14 @@ def demo_slice(node_name: str, uuids: list[str], pci_bus_ids: list[str]) -> dict
             "spec": {"driver": NVIDIA_GPU_DRIVER, "nodeName": node_name,
                      "pool": {"name": node_name, "generation": 1, "resourceSliceCount": 1},
                      "devices": devices}}
+
+
+def say_rules(api: DryRunDraApi) -> None:
+    """The DeviceTaintRules as the dry run would have them in the cluster now."""
+    for name, body in sorted(api.written.items()):
+        selector, taint = body["spec"]["deviceSelector"], body["spec"]["taint"]
+        say(f"   DeviceTaintRule {name}: device {selector['driver']}/{selector['pool']}/{selector['device']}, "
+            f"taint {taint['key']}={taint['value']}:{taint['effect']}")
 
 
 def run_dra_demo(args: argparse.Namespace, tmp: Path) -> int:
@@ -99,12 +108,16 @@ def _script(args: argparse.Namespace, node: DemoNode, runtime: AgentRuntime, api
     if not wait_for(lambda: bool(agent.kube_status.gpu_quarantines) and bool(api.written), 10):
         say("   no DeviceTaintRule within 10 s; see the log lines above")
         return 3
-    for name, body in sorted(api.written.items()):
-        selector, taint = body["spec"]["deviceSelector"], body["spec"]["taint"]
-        say(f"   DeviceTaintRule {name}: device {selector['driver']}/{selector['pool']}/{selector['device']}, "
-            f"taint {taint['key']}={taint['value']}:{taint['effect']}")
-    say("   new claims stay off that one GPU; NoExecute (evicting the pods using it) only where the policy "
-        "sets scope.noexecute, and within the disruption budget")
+    say_rules(api)
+    say("   NoSchedule now: new claims stay off that one GPU. NoExecute follows once the grace has passed "
+        f"({DEMO_GRACE_SECONDS:g} s in the demo, 120 s by default), while the node holds a slot of the "
+        "disruption budget (dry-run: always)")
+    evicting = lambda: [row[3] for row in agent.kube_status.gpu_quarantines] == ["NoExecute"]  # noqa: E731
+    if wait_for(evicting, DEMO_GRACE_SECONDS + 15):
+        say_rules(api)
+        say(f"   NoExecute now: the pods using GPU {gpu} are evicted (their claims go elsewhere) so it can be reset")
+    else:
+        say(f"   no NoExecute within {DEMO_GRACE_SECONDS + 15:g} s; see the log lines above")
     say(f"   Node taint: {agent.kube_status.taint_effect or 'none'}: the node stays in the job, its other "
         f"{len(node.gpu_uuids) - 1} GPUs keep working")
     say_scrape(runtime, urls, lambda line: line.startswith("healthagent_gpu_quarantine"))

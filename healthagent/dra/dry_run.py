@@ -77,7 +77,10 @@ class DryRunDraApi:
             self.written.pop(name, None)
 
     def annotate_node(self, key: str, value: str | None) -> None:
-        log.info("dry-run: would set annotation %s=%s on node %s", key, value, self.node_name)
+        if value is None:
+            log.info("dry-run: would remove annotation %s from node %s", key, self.node_name)
+        else:
+            log.info("dry-run: would set annotation %s=%s on node %s", key, value, self.node_name)
 
     def event(self, body: dict) -> None:
         log.info("dry-run: would create Event %s: %s", body.get("reason"), body.get("note"))

@@ -120,7 +120,8 @@ class SliceWatch:
             return self._delay(failures - 1)
         if isinstance(exc, ApiRejected):
             self._tally.count(f"slice_watch_rejected_{exc.status}",
-                              f"{node} ResourceSlice watch refused ({exc}); retrying every {self._rejected_retry:.0f} s")
+                              f"{node} ResourceSlice watch refused ({exc}); retrying every "
+                              f"{self._rejected_retry:.0f} s")
             return self._rejected_retry
         if isinstance(exc, ApiError):
             self._tally.count("slice_watch_unavailable", f"{node} ResourceSlice watch lost ({exc}); resuming")

@@ -28,13 +28,20 @@ def test_one_gpu_is_quarantined_alone_and_the_reset_lifts_it():
     assert [name for name, _ in creates] == [RULE]  # one rule, for that one GPU
     spec = json.loads(creates[0][1])
     assert spec["deviceSelector"] == {"driver": "gpu.nvidia.com", "pool": "demo-p5-node", "device": "gpu-3"}
-    assert spec["taint"]["effect"] == "NoSchedule"
+    assert spec["taint"]["effect"] == "NoSchedule"  # at once; NoExecute after the grace, with a budget slot
+    changes = [json.loads(spec)["taint"]["effect"] for spec in re.findall(
+        rf"would change DeviceTaintRule {re.escape(RULE)} (\{{.*\}})", log)]
+    assert changes[-1] == "NoExecute"
+    assert log.index("would set annotation healthagent.io/device-noexecute=gpu-3") < log.rindex(
+        "would change DeviceTaintRule")  # the Node shows the eviction before it happens
     assert f"DeviceTaintRule {RULE}: device gpu.nvidia.com/demo-p5-node/gpu-3" in out
+    assert "NoExecute now: the pods using GPU 3 are evicted" in out
     assert "Node taint: none: the node stays in the job" in out
     assert "write=taint" not in log  # the Node got no taint, dry-run or not
     assert 'healthagent_gpu_quarantined{device="gpu.nvidia.com/demo-p5-node/gpu-3"' in out
     assert "reset seen through NVML in" in out and "DeviceTaintRule removed; verdict = none" in out
     assert f"would delete DeviceTaintRule {RULE}" in log
+    assert "would remove annotation healthagent.io/device-noexecute" in log
     assert "no healthagent_gpu_quarantined series now" in out
 
 

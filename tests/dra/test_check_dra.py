@@ -34,7 +34,9 @@ def test_a_published_gpu_on_a_serving_cluster_is_quarantined_alone(dra_plane, tm
     settings = _settings(dra_plane, tmp_path, "check-published", gpus=8)
     line = gpu_scope_report(settings, BAD, ScopePolicy())
     assert line == ("the agent quarantines GPU 3 alone with a DeviceTaintRule on gpu.nvidia.com/check-published/gpu-3 "
-                    "(NoSchedule); the node stays in service")
+                    "(NoSchedule, then NoExecute after the grace while the node holds a disruption-budget slot); "
+                    "the node stays in service")
+    assert "(NoSchedule); the node" in gpu_scope_report(settings, BAD, ScopePolicy(noexecute=False))
 
 
 @pytest.mark.integration

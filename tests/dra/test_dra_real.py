@@ -103,7 +103,7 @@ def test_one_gpu_of_eight_gets_one_rule_then_noexecute_then_none(dra_plane, tmp_
 
 def test_without_noexecute_the_device_stays_at_noschedule(dra_plane, tmp_path):
     node = "dra-held"
-    effects = _agent(dra_plane, tmp_path, node, ScopePolicy())
+    effects = _agent(dra_plane, tmp_path, node, ScopePolicy(noexecute=False))
     effects.reconcile(Verdict.of([gpu_finding(3)], T0), T0 + GRACE + 1, "boot-1")
     effects.reconcile(Verdict.of([gpu_finding(3)], T0), T0 + 2 * GRACE, "boot-1")
     assert [r["spec"]["taint"]["effect"] for r in _rules(dra_plane, node)] == ["NoSchedule"]

@@ -26,9 +26,10 @@ def test_a_finding_without_a_gpu_is_node_scope():
 
 def test_the_policy_file_overrides_codes_and_actions():
     policy = parse_policy({"scope": {"codes": {"GPU_XID": "node"}, "actions": {"replace_node": "gpu"},
-                                     "gpu_quarantine_max": 4, "noexecute": True}})
+                                     "gpu_quarantine_max": 4, "noexecute": False}})
     assert policy.scope.scope_of(gpu_finding(1)) == NODE
-    assert policy.scope.gpu_quarantine_max == 4 and policy.scope.noexecute
+    assert policy.scope.gpu_quarantine_max == 4 and not policy.scope.noexecute
+    assert ScopePolicy().noexecute and parse_policy({"scope": {}}).scope.noexecute  # on by default
     finding = gpu_finding(1, action=Action.REPLACE_NODE)
     finding = replace(finding, code="GPU_ROW_REMAP_FAILURE")
     assert policy.scope.scope_of(finding) == GPU
