@@ -3,8 +3,9 @@
 ``DraEffects`` wraps ``effects.kube.NodeEffects`` (the worker drives it through the same
 ``Effects`` protocol): each reconcile splits the verdict (``dra/split.py``), hands the node its
 part, then brings the agent's DeviceTaintRules to the device part: a rule per quarantined GPU,
-``NoSchedule`` at once and ``NoExecute`` once the grace is over when the finding calls for it,
-deleted when the finding clears. An Event on the Node names the device and why.
+``NoSchedule`` at once and ``NoExecute`` once the grace is over when the finding calls for it and
+the node holds a slot of the disruption budget (``dra/budget.py``; the stage ``held_by_budget``
+until it does), deleted when the finding clears. An Event on the Node names the device and why.
 
 What it learns from the API server, only while DRA is in use (a GPU-scope finding to place, a
 quarantine to keep or lift, an earlier run's rules to look for): whether ``devicetaintrules`` are
@@ -38,6 +39,7 @@ from healthagent.policy.scope import ScopePolicy
 
 log = logging.getLogger(__name__)
 
+HELD_BY_BUDGET = "held_by_budget"  # the stage of a device whose NoExecute waits for a budget slot
 REFRESH_SECONDS = 60.0  # while DRA is in use but not served: ask discovery again this often
 SLICE_VERSION = "v1"
 WATCH_READ_SLACK_SECONDS = 30  # the watch's read timeout is the server-side timeout plus this
@@ -221,7 +223,8 @@ class DraEffects:
         return self._with_dra(status)
 
     def _with_dra(self, status: KubeStatus) -> KubeStatus:
-        rows = tuple((path, ref.uuid, ref.pci_bus_id, effect) for path, (ref, effect) in sorted(self._shown.items()))
+        rows = tuple((path, ref.uuid, ref.pci_bus_id, HELD_BY_BUDGET if path in self.held else effect)
+                     for path, (ref, effect) in sorted(self._shown.items()))
         return replace(status, gpu_quarantines=rows, dra_fallbacks=tuple(self.fallbacks),
                        budget_blocked=status.budget_blocked or bool(self.held))
 

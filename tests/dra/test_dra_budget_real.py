@@ -50,6 +50,8 @@ def test_only_one_device_noexecute_at_a_time_within_a_budget_of_one(dra_plane, t
     assert _effects_of(dra_plane, a, b) == {a: "NoExecute", b: "NoSchedule"}
     assert _annotation(dra_plane, a) == "gpu-3" and _annotation(dra_plane, b) is None
     assert second.status()["held_by_budget"] == [f"gpu.nvidia.com/{b}/gpu-3"]
+    status = second.reconcile(bad, PAST_GRACE, "boot-1")
+    assert [row[3] for row in status.gpu_quarantines] == ["held_by_budget"] and status.budget_blocked
     assert _taints(dra_plane, a) == [] and _taints(dra_plane, b) == []  # both nodes stay in the job
 
     # Long past the slot's grace: the held node looks again, judges the holder's slot, and the
@@ -64,5 +66,7 @@ def test_only_one_device_noexecute_at_a_time_within_a_budget_of_one(dra_plane, t
     second.reconcile(bad, PAST_GRACE + 2000, "boot-1")  # its next look finds the slot free
     assert _effects_of(dra_plane, a, b) == {b: "NoExecute"}
     assert second.status()["held_by_budget"] == [] and _annotation(dra_plane, b) == "gpu-3"
+    status = second.reconcile(bad, PAST_GRACE + 2001, "boot-1")
+    assert [row[3] for row in status.gpu_quarantines] == ["NoExecute"] and not status.budget_blocked
     first.close()
     second.close()
