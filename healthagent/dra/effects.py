@@ -210,7 +210,7 @@ class DraEffects:
         else:
             self._asked_at = None  # DRA is out of use: the next use asks discovery again
         if placing and self.served:
-            self._watch_slices()
+            self._watch_slices(now)
         else:
             self._stop_watch()
         split = split_verdict(verdict, self.scope, self.devices if self.served else None)
@@ -259,13 +259,13 @@ class DraEffects:
             log.warning("dra node=%s cannot read ResourceSlices (%s): GPU findings act on the node; "
                         "install deploy/components/dra for per-GPU quarantine", self.node_name, exc)
 
-    def _watch_slices(self) -> None:
+    def _watch_slices(self, now: float) -> None:
         """The device map from the slice watch, started (with its LIST) when not running."""
         if self._watch is None:
             try:
                 items, version = self.api.list_slices()  # type: ignore[union-attr]
             except ApiRejected as exc:
-                self._forbidden(exc, self._asked_at or 0.0)
+                self._forbidden(exc, now)
                 return
             except ApiError as exc:  # unknown: the last map stands (or none: the node's behaviour)
                 self._tally.count("read_failed", f"node={self.node_name} {exc}")
