@@ -90,7 +90,7 @@ def _unobserved_lines(collection, verdict) -> list[str]:
 
 
 def render_check(collection, verdict, exit_code: int | None = None, earlier_boot_xids: int = 0,
-                 scope=None) -> str:
+                 scope=None, gpu_scope: str = "") -> str:
     """The report a person reads on a suspect node: what was read, what could not be seen, then
     each finding as a block (what, why, the evidence, what to do next), most severe first."""
     lines = [f"GPUs: {len(collection.gpus)} read"]
@@ -123,8 +123,65 @@ def render_check(collection, verdict, exit_code: int | None = None, earlier_boot
         lines.append(f"  seen: {f.evidence}")
         lines.append(f"  next: {f.next_steps}")
         if scope is not None and scope.scope_of(f) == "gpu" and scope.device_effect(f):
-            lines.append(f"  scope: gpu: {scope_words(scope)}")
+            lines.append("  scope: gpu (one GPU, not the node; see GPU scope below)")
+    if scope is not None and any(scope.scope_of(f) == "gpu" and scope.device_effect(f) for f in verdict.findings):
+        lines.append("")
+        lines.append(f"GPU scope: {gpu_scope or scope_words(scope)}")
     return "\n".join(lines)
+
+
+NOT_SERVED_WORDS = ("the cluster does not serve DeviceTaintRules (resource.k8s.io/v1beta2: Kubernetes 1.36 with "
+                    "the DRADeviceTaints and DRADeviceTaintRules feature gates and that API version turned on)")
+
+
+def gpu_scope_report(settings: Settings, verdict, scope) -> str:
+    """What the GPU-scope findings of ``verdict`` do on this node, asked of the cluster where
+    ``check`` runs with cluster access (kube in-cluster or kubeconfig): one line, said once. Where
+    the cluster does not serve DeviceTaintRules or the NVIDIA DRA driver does not publish the GPU,
+    the line says that those findings act on the node and why. "" when the verdict has none.
+    Reading the cluster never fails ``check``: a question it cannot ask is said as such."""
+    # deferred: the DRA layer and the kubernetes client load only when a GPU-scope finding asks
+    from healthagent.dra.effects import DraApi
+    from healthagent.dra.slices import NVIDIA_GPU_DRIVER, device_map
+    from healthagent.dra.split import NOT_PUBLISHED, NOT_SERVED, TOO_MANY, split_verdict
+    from healthagent.effects.backend import ApiRejected
+
+    if not split_verdict(verdict, scope, None).fallbacks:
+        return ""
+    if scope.dra == "off":
+        return scope_words(scope)
+    if settings.kube not in ("in-cluster", "kubeconfig") or not settings.node_name:
+        why = f"kube={settings.kube}" if settings.node_name else "no node name (--node-name or NODE_NAME)"
+        return f"{scope_words(scope)} (check asked no cluster: {why})"
+    try:
+        from healthagent.wiring import kube_api_client  # deferred: as above
+
+        api = DraApi(kube_api_client(settings), settings.node_name, timeout=(2.0, 5.0))
+        served = api.serves_rules()
+        devices = device_map(api.slices(), settings.node_name) if served else None
+    except ApiRejected as exc:
+        return (f"GPU-scope findings act on the node: this agent's credentials may not read DeviceTaintRules "
+                f"or ResourceSlices ({exc}); install deploy/components/dra for per-GPU quarantine")
+    except Exception as exc:  # noqa: BLE001 - ApiError, a setup the client cannot use (ConfigError)
+        return f"{scope_words(scope)} (check could not ask the cluster: {' '.join(str(exc).split())[:160]})"
+    split = split_verdict(verdict, scope, devices)
+    why = {NOT_SERVED: NOT_SERVED_WORDS,
+           NOT_PUBLISHED: (f"the NVIDIA DRA driver ({NVIDIA_GPU_DRIVER}) publishes no ResourceSlice device of node "
+                           f"{settings.node_name} for " + ", ".join(_unpublished(verdict, scope, devices))),
+           TOO_MANY: (f"more GPUs need a reset at once than scope.gpu_quarantine_max={scope.gpu_quarantine_max}, "
+                      "so the node is the unit")}
+    steps = {"NoExecute": "NoSchedule, then NoExecute after the grace while the node holds a disruption-budget slot"}
+    parts = [f"the agent quarantines GPU {q.findings[0].gpu_index} alone with a DeviceTaintRule on {q.ref.path} "
+             f"({steps.get(q.effect, q.effect)}); the node stays in service" for q in split.quarantines]
+    if split.fallbacks:
+        parts.append("GPU-scope findings act on the node: " + "; ".join(why[r] for r in split.fallbacks))
+    return ". ".join(parts)
+
+
+def _unpublished(verdict, scope, devices) -> list[str]:
+    return [f"GPU {f.gpu_index} ({f.uuid or f.pci_bus_id})" for f in verdict.findings
+            if scope.scope_of(f) == "gpu" and scope.device_effect(f) and devices is not None
+            and devices.find(f.uuid, f.pci_bus_id) is None]
 
 
 def scope_words(scope) -> str:
@@ -147,7 +204,8 @@ def check_json(collection, verdict, exit_code: int | None = None, earlier_boot_x
         "exit_code": verdict.exit_code if exit_code is None else exit_code,
         "unobserved": list(verdict.unobserved),
         "findings": [finding(f) for f in verdict.findings],
-        "gpus": [asdict(g) for g in collection.gpus],
+        # ``reset`` compares two reads of a GPU; check reads each once, so it never has one to say
+        "gpus": [{k: v for k, v in asdict(g).items() if k != "reset"} for g in collection.gpus],
         "efa_devices": sorted({s.device for s in collection.efa}, key=natural_key),
         "sources": [asdict(h) for h in collection.health],
         "xid_events": sum(x.repeats for x in collection.xids),

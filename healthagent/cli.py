@@ -27,7 +27,8 @@ from dataclasses import fields
 from typing import Any, Iterator
 
 from healthagent import __version__
-from healthagent.check_report import EXIT_CANNOT_RUN, check_exit_code, check_json, collect_once, render_check
+from healthagent.check_report import (EXIT_CANNOT_RUN, check_exit_code, check_json, collect_once, gpu_scope_report,
+                                      render_check)
 from healthagent.cli_inputs import (CannotRun, InputUnreadable, choose_state_file, classify_input, dry_run_node_name,
                                     in_a_pod, named_kernel_log_problem, open_lines, state_file_given, summary)
 from healthagent.cli_token import training_token
@@ -38,6 +39,7 @@ EXIT_USAGE = EXIT_CANNOT_RUN  # a usage error is "could not run", never check's 
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a Unix tool whose reader left
 DEMO_FABRICS = ("efa", "ib")  # ``demo --fabric``: the demo node's network
 DEMO_XID = 94  # ``demo --xid``'s default: a contained memory error
+DEMO_DRA_XID = 48  # ``demo --dra``'s XID: an uncorrectable ECC error, cleared by a GPU reset
 
 
 class _Help(argparse.HelpFormatter):
@@ -215,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--gpu", type=_demo_gpu, default=3,
                       help="GPU index to inject it on, 0-7 (default 3); with --fabric ib, the port beside this "
                            "GPU goes down")
+    demo.add_argument("--dra", action="store_true",
+                      help=f"quarantine the one bad GPU through a DRA DeviceTaintRule (dry-run) while the node "
+                           f"stays in the job: XID {DEMO_DRA_XID} on --gpu, then a GPU reset lifts it")
     demo.add_argument("--keep-running", action="store_true",
                       help="keep serving /metrics after the script, until Ctrl-C")
     demo.add_argument("--prepare", metavar="DIR",
@@ -370,7 +375,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(check_json(collection, verdict, code, earlier), indent=2, sort_keys=True, default=str))
     else:
-        print(render_check(collection, verdict, code, earlier, scope=classifier.policy.scope))
+        scope = classifier.policy.scope
+        print(render_check(collection, verdict, code, earlier, scope=scope,
+                           gpu_scope=gpu_scope_report(settings, verdict, scope)))
     return code
 
 
@@ -422,10 +429,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.fabric == "ib" and args.xid is not None:
         raise CannotRun("demo: --xid is the efa demo's fault; the ib demo's fault is an InfiniBand port "
                         "going down (--gpu picks the GPU whose port it is): leave out --xid, or use --fabric efa")
+    if args.dra and (args.fabric == "ib" or args.prepare):
+        raise CannotRun("demo: --dra runs the EFA node's script with one GPU quarantined alone; leave out "
+                        "--fabric ib and --prepare")
+    if args.dra and args.xid not in (None, DEMO_DRA_XID):
+        raise CannotRun(f"demo: --dra shows XID {DEMO_DRA_XID}, whose DBE count a GPU reset visibly clears in "
+                        f"NVML; leave out --xid (XID {args.xid} is not the --dra demo's)")
     if args.replace and not args.prepare:
         raise CannotRun("demo: --replace goes with --prepare DIR (it replaces the demo node in DIR)")
     if args.xid is None:
-        args.xid = DEMO_XID
+        args.xid = DEMO_DRA_XID if args.dra else DEMO_XID
     try:
         return run_demo(args)
     except PrepareRefused as exc:

@@ -161,6 +161,9 @@ class GpuSample:
     temperature_c: float | None = None
     power_w: float | None = None
     timestamp: float = 0.0
+    # What NVML showed since the last read that only a reset of this GPU (or a driver reload)
+    # does, in words; "" when nothing did (``sources/nvml.py`` ``reset_seen``).
+    reset: str = ""
 
 
 @dataclass(frozen=True)

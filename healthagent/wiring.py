@@ -185,10 +185,11 @@ class AgentRuntime:
     command, the demo and the tests hold the same object."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] | None = None,
-                 wall: Callable[[], float] | None = None) -> None:
+                 wall: Callable[[], float] | None = None, effects_wrap: Callable[[Any], Any] | None = None) -> None:
         """``clock``: the decision clock (default: ``DecisionClock`` over this boot's epoch, kept
         in the state file); ``wall``: wall time for what people read (default ``time.time``, or
-        ``clock`` itself when a caller hands one clock)."""
+        ``clock`` itself when a caller hands one clock); ``effects_wrap``: wraps the effects
+        before they start (``demo --dra`` puts its dry-run DRA layer around the node's)."""
         self.settings = settings
         self.stop_event = threading.Event()
         self.state = StateStore(settings.state_file)
@@ -216,6 +217,8 @@ class AgentRuntime:
         expected_gpus, expected_efa_devices = expected_inventory(settings)
         log.info("expected inventory gpus=%s efa_devices=%s", expected_gpus, expected_efa_devices)
         effects = build_effects(settings, self.state, classifier.policy.scope)
+        if effects is not None and effects_wrap is not None:
+            effects = effects_wrap(effects)
         worker = None
         if effects is not None:
             # A changed status (a write landed, the API server gone) wakes the loop, which

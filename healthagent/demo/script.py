@@ -24,7 +24,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from healthagent.config import Settings, load_settings
 from healthagent.demo.node import DemoNode, build_demo_root
@@ -76,11 +76,13 @@ def run_efa_demo(args: argparse.Namespace, tmp: Path) -> int:
 
 
 @contextlib.contextmanager
-def running_agent(node: DemoNode, settings: Settings) -> Iterator[AgentRuntime]:
+def running_agent(node: DemoNode, settings: Settings,
+                  effects_wrap: Callable[[Any], Any] | None = None) -> Iterator[AgentRuntime]:
     """The ``AgentRuntime`` that ``healthagent run`` starts, on ``node`` with the stub in NVML's
-    place and the effects passing over the node every ``DEMO_EFFECTS_PASS_SECONDS``; stopped on exit."""
+    place and the effects passing over the node every ``DEMO_EFFECTS_PASS_SECONDS``; stopped on
+    exit. ``effects_wrap``: a demo's layer around the node's effects (``--dra``)."""
     use_stub_nvml(node.scenario)
-    runtime = AgentRuntime(settings)
+    runtime = AgentRuntime(settings, effects_wrap=effects_wrap)
     if runtime.agent.effects_worker is not None:
         runtime.agent.effects_worker.retry_seconds = DEMO_EFFECTS_PASS_SECONDS
     runtime.start()

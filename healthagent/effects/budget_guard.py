@@ -58,7 +58,7 @@ from healthagent.effects.budget import (
     slot_name,
 )
 from healthagent.effects.budget_leases import LeaseStore
-from healthagent.effects.budget_reclaim import Evidence, Reclaimer, ReclaimMemory
+from healthagent.effects.budget_reclaim import Evidence, Reclaimer, ReclaimMemory, evicts_a_device
 from healthagent.effects.budget_watch import SlotWatch
 from healthagent.effects.node_desired import carries_no_execute, owned_taints
 from healthagent.effects.plan import Budget
@@ -191,7 +191,8 @@ class BudgetGuard:
         except ApiError as exc:
             self._failure(exc, f"cannot read the budget's Leases at start ({exc})")
             return g
-        g, _ = self.settle(g, node, now, wall, wants_slot=bool(owned_taints(node, self._taint_key)))
+        g, _ = self.settle(g, node, now, wall, wants_slot=bool(owned_taints(node, self._taint_key))
+                           or evicts_a_device(node))
         return g
 
     def ask(self, g: GuardState, now: float, wall: float, node: dict | None = None) -> tuple[GuardState, Budget]:
@@ -269,7 +270,8 @@ class BudgetGuard:
         the slot reclaimed: the node goes back to held NoSchedule."""
         if self._store is None:
             return g, False
-        keep = wants_slot and bool(owned_taints(node, self._taint_key))
+        # a taint of the agent's, or a device NoExecute of its own (``effects/device_slot.py``), holds it
+        keep = wants_slot and (bool(owned_taints(node, self._taint_key)) or evicts_a_device(node))
         if not keep:
             self._watch.stop(0.0)  # no slot to wait for
         renew = keep and g.renew_due and g.slot is not None

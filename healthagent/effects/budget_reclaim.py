@@ -49,8 +49,11 @@ from typing import Callable, Mapping, Protocol
 from healthagent.effects.budget import FLEET, SLOT_GRACE_SECONDS, BudgetView, Scope, Slot
 from healthagent.effects.conditions import vocabulary
 from healthagent.effects.hyperpod import HYPERPOD_HEALTH_LABEL, HYPERPOD_PENDING_REBOOT, HYPERPOD_PENDING_REPLACEMENT
-from healthagent.effects.node_desired import carries_no_execute, labels_of, owned_taints
+from healthagent.effects.node_desired import annotations_of, carries_no_execute, labels_of, owned_taints
 
+# A device NoExecute of the agent's (healthagent/dra) on one of the node's GPUs: the node shows it
+# here, by the devices' names. It is the holder's disruptive step as the node's NoExecute is.
+DEVICE_NO_EXECUTE_ANNOTATION = "healthagent.io/device-noexecute"
 LIVE_HOLDER_SECONDS = 300.0  # a holder seen taking its disruptive step is not looked at again for this long
 
 
@@ -115,7 +118,12 @@ def duplicate_slots(view: BudgetView) -> list[Slot]:
 def shows_disruptive_step(node: Mapping, evidence: Evidence) -> bool:
     """Does ``node`` show a disruptive step that takes it out (``Evidence``)?"""
     return carries_no_execute(node, evidence.taint_key) or evidence.hyperpod_requested(node) or \
-        evidence.repair_requested(node)
+        evidence.repair_requested(node) or evicts_a_device(node)
+
+
+def evicts_a_device(node: Mapping) -> bool:
+    """Does ``node`` show a device NoExecute of the agent's (``DEVICE_NO_EXECUTE_ANNOTATION``)?"""
+    return bool(annotations_of(node).get(DEVICE_NO_EXECUTE_ANNOTATION))
 
 
 def in_pool(node: Mapping, scope: Scope) -> bool:
@@ -136,7 +144,7 @@ def holder_verdict(holder: Mapping | None, seen_for: float, evidence: Evidence, 
         found = labels_of(holder).get(scope.label)
         return (f"its node is not in this budget's pool {scope.label}={scope.value!r} "
                 f"(its label says {found!r})")
-    if not owned_taints(holder, evidence.taint_key):
+    if not owned_taints(holder, evidence.taint_key) and not evicts_a_device(holder):
         return "its node carries no taint of the agent's"
     if seen_for >= grace_seconds + SLOT_GRACE_SECONDS and not shows_disruptive_step(holder, evidence):
         return (f"its node has held the slot for {seen_for:.0f} s, past the {grace_seconds:.0f} s grace, "

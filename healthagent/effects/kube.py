@@ -34,7 +34,6 @@ from typing import Any, Callable
 from healthagent.config import Settings
 from healthagent.effects.backend import (
     DEFAULT_REQUEST_TIMEOUT,
-    AlreadyExists,
     ApiBackend,
     ApiError,
     ApiRejected,
@@ -46,7 +45,8 @@ from healthagent.effects.budget_guard import BudgetGuard, GuardState
 from healthagent.effects.budget_leases import LeaseStore, agent_namespace
 from healthagent.effects.budget_reclaim import Evidence
 from healthagent.effects.conditions import identify, vocabulary
-from healthagent.effects.events import EVENTS_NAMESPACE, EventLedger, EventSpec, event_body
+from healthagent.effects.device_slot import Want, device_exchange
+from healthagent.effects.events import EventLedger, EventSpec
 from healthagent.effects.driver_state import DriverState
 from healthagent.effects.node_desired import NO_EXECUTE, owned_taints, owned_view
 from healthagent.effects.node_watch import BACKOFF_SECONDS, WATCH_TIMEOUT_SECONDS, NodeCache, NodeWatch
@@ -106,6 +106,9 @@ class NodeEffects:
     the read and write bookkeeping), replaced once per reconcile. The attributes are wiring set at
     construction (``on_change`` by the loop's effects worker, before the first reconcile):
     ``BudgetGuard`` answers the exchange, ``NodeWriter`` writes, ``NodeWatch`` keeps the cache."""
+
+    # a device NoExecute holds the node's slot (set by ``dra/budget.py``; ``effects/device_slot.py``)
+    device_slot: Callable[[], bool] = staticmethod(lambda: False)
 
     def __init__(
         self,
@@ -378,9 +381,10 @@ class NodeEffects:
         return replace(s, dirty=not status_ok, pending=int(not status_ok)), node, True
 
     def _settle(self, s: DriverState, node: dict, plan: NodePlan, now: float, wall: float) -> DriverState:
-        """The budget slot in step with the node as written (no request when it already is); a
-        slot found reclaimed sends the node back to held NoSchedule on the next reconcile, at once."""
-        guard, lost = self.budget.settle(s.budget, node, now, wall, plan.wants_slot)
+        """The budget slot in step with the node as written (no request when it already is; kept
+        for a device NoExecute, ``device_slot``); a slot found reclaimed sends the node back to held
+        NoSchedule on the next reconcile, at once."""
+        guard, lost = self.budget.settle(s.budget, node, now, wall, plan.wants_slot or self.device_slot())
         s = replace(s, budget=guard)
         if lost:
             self._changed()
@@ -419,25 +423,22 @@ class NodeEffects:
         for note in notes:
             log.log(logging.WARNING if note.level == WARNING else logging.INFO, "%s", note.text)
 
+    def device_exchange(self, want: Want, now: float, wall: float | None = None) -> bool:
+        """A device NoExecute's budget exchange (``effects/device_slot.py``) on this driver's state:
+        one slot, one state, whichever path disrupts."""
+        answer = [False]
+
+        def change(s: DriverState) -> DriverState:
+            guard, answer[0] = device_exchange(self.budget, s.budget, self._cache.get(), want, now,
+                                               now if wall is None else wall)
+            return replace(s, budget=guard)
+        self._run(change)
+        return answer[0]
+
     def _deliver_events(self, s: DriverState, now: float) -> DriverState:
-        ledger = s.ledger
-        for spec in ledger.outbox:
-            body = event_body(spec, self.node_name, s.record.node_uid)
-            try:
-                self.backend.create_event(EVENTS_NAMESPACE, body)
-            except AlreadyExists:
-                self.writer.count("event", "conflict")  # delivered before a restart: same name, same Event
-            except ApiUnavailable as exc:
-                self.writer.count("event", "error")
-                return self._failed(replace(s, ledger=ledger), exc)
-            except ApiRejected as exc:
-                self.writer.count("event", "error")
-                self._tally.count(f"event_rejected_{exc.status}", f"event {spec.key} rejected ({exc}); dropped")
-            else:
-                self.writer.count("event", "ok")
-                s = replace(s, reachable=True)
-            ledger = ledger.delivered(spec, now)
-        return replace(s, ledger=ledger)
+        ledger, answered, error = self.writer.deliver_events(s.ledger, s.record.node_uid, now)
+        s = replace(s, ledger=ledger, reachable=s.reachable or answered)
+        return self._failed(s, error) if error is not None else s
 
     def _failed(self, s: DriverState, exc: ApiError) -> DriverState:
         s = replace(s, dirty=True)

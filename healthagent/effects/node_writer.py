@@ -16,7 +16,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from healthagent.effects.backend import ApiError, Conflict, jittered_backoff
+from healthagent.effects.backend import AlreadyExists, ApiError, ApiRejected, ApiUnavailable, Conflict, jittered_backoff
+from healthagent.effects.events import EVENTS_NAMESPACE, EventLedger, event_body
 from healthagent.effects.plan import NodePlan
 from healthagent.common import ErrorTally
 
@@ -78,6 +79,29 @@ class NodeWriter:
                 return reply, True
         self._exhausted("node_status")
         return node, False
+
+    def deliver_events(self, ledger: EventLedger, node_uid: str, now: float
+                       ) -> tuple[EventLedger, bool, ApiUnavailable | None]:
+        """Send the queued Events in order: (the ledger after, whether the API server answered,
+        the error that stopped delivery). Each goes once: a name that exists is one delivered before
+        a restart, and a rejected one is counted and dropped; an unreachable server stops the run."""
+        answered = False
+        for spec in ledger.outbox:
+            try:
+                self._backend.create_event(EVENTS_NAMESPACE, event_body(spec, self._node_name, node_uid))
+            except AlreadyExists:
+                self.count("event", "conflict")
+            except ApiUnavailable as exc:
+                self.count("event", "error")
+                return ledger, answered, exc
+            except ApiRejected as exc:
+                self.count("event", "error")
+                self._tally.count(f"event_rejected_{exc.status}", f"event {spec.key} rejected ({exc}); dropped")
+            else:
+                self.count("event", "ok")
+                answered = True
+            ledger = ledger.delivered(spec, now)
+        return ledger, answered, None
 
     def _attempt(self, kind: str, send: Callable[..., dict], args: tuple, attempt: int) -> "dict | Conflict":
         """One write, ``send(*args)`` with the patch first: its reply, or the Conflict after the

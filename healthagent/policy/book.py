@@ -346,6 +346,17 @@ class FindingBook:
         self.survivors = {k for k in self.survivors if not k.endswith(suffix)}
         return len(keys)
 
+    def on_gpu_reset(self, pci_bus_id: str) -> int:
+        """NVML showed the GPU at this PCI id reset (``GpuSample.reset``): the events on it that a
+        reset answers (``reset_gpu`` and milder: restart_app, monitor) are closed, which lifts
+        their device quarantine. Conditions judge their own next reading (a remap pending clears
+        by itself once applied); a reboot- or replace-class finding is not a reset's to close."""
+        keys = [k for k, e in self.entries.items() if e.where.pci_bus_id == pci_bus_id and e.kind == EVENT
+                and e.action.severity <= Action.RESET_GPU.severity]
+        for key in keys:
+            del self.entries[key]
+        return len(keys)
+
     def clear(self, now: float, as_of: int | None = None,
               reopen_incident: "Callable[[Entry, int], Entry | None] | None" = None) -> int:
         """An operator's clear of what was open at observation ``as_of`` (None: everything open

@@ -204,6 +204,10 @@ class Classifier:
                 log.info("gpu replaced pci=%s old_uuid=%s new_uuid=%s findings_closed=%d",
                          gpu.pci_bus_id, track.uuid, gpu.uuid, closed)
             self.book.fill_uuid(gpu.pci_bus_id, gpu.uuid)
+            if gpu.reset and not gpu.lost:
+                closed = self.book.on_gpu_reset(gpu.pci_bus_id)
+                log.info("gpu reset pci=%s uuid=%s seen=%r findings_closed=%d", gpu.pci_bus_id, gpu.uuid,
+                         gpu.reset, closed)
 
     def _gpu_track(self, gpu: GpuSample) -> GpuTrack:
         key = gpu_key(gpu)

@@ -7,7 +7,16 @@ RESET_GPU, the monitor level) are ``gpu``; ``reboot_node`` and ``replace_node`` 
 policy file's ``scope:`` section overrides a code's or an action's scope, sets how many GPUs may
 be quarantined at once before the node becomes the unit (``gpu_quarantine_max``), whether
 monitor-level findings show as a ``None`` device taint, and whether device quarantines use
-``NoExecute`` at all (``noexecute``; see docs/design.md for the budget).
+``NoExecute`` at all (``noexecute``).
+
+``noexecute`` is on by default. A ``reset_gpu`` device goes to ``NoExecute`` after the same grace
+as the node (``replace_noexecute_grace_seconds``), because a reset needs the GPU drained: with
+``NoSchedule`` alone the pod whose claim holds the bad GPU keeps it, and a container that
+restarts comes back onto the same device. The eviction is one disruption of the job, so it is
+counted as the node's would be: a device ``NoExecute`` is written only while the node holds a
+slot of the disruption budget (``dra/budget.py``), and waits at ``NoSchedule``, held by the
+budget, otherwise. ``scope: {noexecute: false}`` keeps every device quarantine at ``NoSchedule``
+(new claims stay off the GPU; the pods on it are left to the operator).
 
 A code's default scope is its action's row; ``scope.csv`` names a code only where the code itself
 decides (an NVSwitch serves every GPU; a missing GPU cannot be named), so a new code needs no row
@@ -67,7 +76,7 @@ class ScopePolicy:
     codes: Mapping[str, ScopeRow] = field(default_factory=lambda: _DEFAULT_CODES)
     gpu_quarantine_max: int = DEFAULT_QUARANTINE_MAX
     monitor_taints: bool = False
-    noexecute: bool = False
+    noexecute: bool = True
     dra: str = "auto"  # auto: use DRA where the cluster serves it; off: node behaviour only
 
     def row(self, code: str, action: Action) -> tuple[ScopeRow, str]:
@@ -127,8 +136,8 @@ def parse_scope(raw: Any, error: Callable[[str], Exception]) -> ScopePolicy:
     if isinstance(maximum, bool) or not isinstance(maximum, int) or not 0 <= maximum <= 64:
         raise error(f"scope.gpu_quarantine_max: {maximum!r} is not a whole number of GPUs from 0 to 64")
     flags = {}
-    for key in ("monitor_taints", "noexecute"):
-        value = raw.get(key, False)
+    for key, default in (("monitor_taints", False), ("noexecute", True)):
+        value = raw.get(key, default)
         if not isinstance(value, bool):
             raise error(f"scope.{key}: {value!r} is not true or false")
         flags[key] = value

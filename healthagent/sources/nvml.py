@@ -155,6 +155,7 @@ class NvmlSource:
         # Which GPU left is judged only from a walk that agrees with itself: a walk torn by a
         # change mixes indexes from before and after it and would name the wrong GPU.
         vanished = self._vanished(enumerated, now) if consistent else []
+        enumerated = [self._with_reset(s) for s in enumerated]
         self._note_losses(enumerated, vanished)
         self._remember(enumerated)
         samples = enumerated + vanished
@@ -327,6 +328,18 @@ class NvmlSource:
                     totals[name] = totals.get(name, 0) + int(value)
         return totals
 
+    # -- a GPU reset ---------------------------------------------------------------------------------
+
+    def _with_reset(self, sample: GpuSample) -> GpuSample:
+        """``sample`` with ``reset`` set when NVML shows that its GPU was reset since the last read."""
+        if sample.lost or not sample.uuid:
+            return sample
+        why = reset_seen(self._last_good.get(sample.uuid), sample, sample.uuid in self._lost_now)
+        if why:
+            log.info("source=nvml gpu=%d uuid=%s reset seen: %s", sample.index, sample.uuid, why)
+            return replace(sample, reset=why)
+        return sample
+
     # -- lost and vanished GPUs --------------------------------------------------------------------
 
     def _lost_sample(self, index: int, identity: dict[str, str], now: float) -> GpuSample:
@@ -392,6 +405,37 @@ class NvmlSource:
                 self.on_event()
             except Exception as exc:
                 self.tally.count("callback_error", f"on_event raised {exc!r}")
+
+
+def reset_seen(before: GpuSample | None, after: GpuSample, was_lost: bool) -> str:
+    """What in two reads of one GPU (same UUID) says it was reset in between; "" when nothing does.
+
+    NVML keeps no reset counter, so the agent reads the marks a reset leaves (``nvidia-smi -r``
+    re-initialises the GPU as a driver load does):
+
+    - a volatile ECC count went down: NVML's volatile counts are "reset each time the driver
+      loads" (``nvmlEccCounterType_t``) and only grow otherwise. The agent holds NVML open, which
+      keeps the driver's state of the GPU loaded as persistence mode does, so nothing but a reset
+      or a reload starts them again;
+    - the row-remap pending flag cleared: ``nvmlDeviceGetRemappedRows`` reports a remap as pending
+      until "a reset ... actually remap[s] the row" (NVIDIA's GPU memory error management guide:
+      the remap happens at the next GPU reset);
+    - the GPU answered again, with its UUID, after NVML reported it lost (``GPU_IS_LOST``) or
+      left the device count: a lost GPU comes back only through a reset or a driver reload.
+
+    A reset that leaves none of these (volatile counts at zero before it, no remap pending, the
+    GPU never seen lost) is not seen: its findings end as they would without it."""
+    if after.lost or before is None or before.uuid != after.uuid:
+        return ""
+    if was_lost:
+        return "the GPU answers again after NVML reported it lost"
+    for name, old, new in (("uncorrected", before.ecc.volatile_uncorrected, after.ecc.volatile_uncorrected),
+                           ("corrected", before.ecc.volatile_corrected, after.ecc.volatile_corrected)):
+        if old is not None and new is not None and new < old:
+            return f"the volatile {name} ECC count went from {old} to {new}"
+    if before.remap.pending and after.remap.pending is False:
+        return "the row remap that was pending is applied"
+    return ""
 
 
 def _raise(exc: BaseException) -> Any:

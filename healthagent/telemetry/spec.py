@@ -95,7 +95,8 @@ HEALTH: tuple[MetricSpec, ...] = (
     _spec("node_taint_applied", "gauge", "", "1 while the agent's own taint is on the node."),
     _spec("gpu_quarantined", "gauge", "device uuid pci_bus_id stage",
           "1 for each GPU quarantined with a DRA DeviceTaintRule; stage is the rule's effect now "
-          "(None, NoSchedule, NoExecute)."),
+          "(None, NoSchedule, NoExecute), or held_by_budget: NoSchedule with its NoExecute due and no "
+          "disruption-budget slot for it."),
     _spec("gpu_quarantine_fallback", "gauge", "reason",
           "1 while GPU-scope findings act on the node instead of one device (dra_not_served, "
           "gpu_not_published, too_many_gpus)."),

@@ -15,6 +15,7 @@ import yaml
 
 from healthagent.dra.effects import DraApi, DraEffects
 from healthagent.dra.rules import GROUP, PLURAL, VERSION
+from healthagent.effects.budget_reclaim import DEVICE_NO_EXECUTE_ANNOTATION
 from healthagent.effects.kube import NodeEffects
 from healthagent.effects.state import StateStore
 from healthagent.model import Verdict
@@ -45,7 +46,9 @@ def cluster(dra_plane):
 
     admin_client = dra_plane.api_client()
     objects = [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": ACCOUNT, "namespace": NAMESPACE}}]
-    for path in (COMPONENT / "rbac.yaml", COMPONENT / "admission-policy.yaml", COMPONENT.parents[1] / "base" / "rbac.yaml"):
+    base = COMPONENT.parents[1] / "base"
+    for path in (COMPONENT / "rbac.yaml", COMPONENT / "admission-policy.yaml", base / "rbac.yaml",
+                 base / "admission-policy.yaml"):
         objects += [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] != "ServiceAccount"]
     apply_access_objects(admin_client, objects)
     admin = Apis.of(admin_client)
@@ -121,6 +124,14 @@ def test_the_agents_own_writes_pass(cluster, tmp_path):
     assert effects.status()["quarantined"] == {"gpu.nvidia.com/acc-a/gpu-3": "NoSchedule"}
     effects.reconcile(Verdict.of([gpu_finding(3)], T0), T0 + 121, "boot-1")
     assert effects.status()["quarantined"] == {"gpu.nvidia.com/acc-a/gpu-3": "NoExecute"}
+    assert _annotations(plane, "acc-a").get(DEVICE_NO_EXECUTE_ANNOTATION) == "gpu-3"  # the budget's evidence
     effects.reconcile(Verdict.of([], T0 + 122), T0 + 122, "boot-1")
     assert effects.status()["quarantined"] == {}
+    assert DEVICE_NO_EXECUTE_ANNOTATION not in _annotations(plane, "acc-a")
     assert not {k for k in effects.errors if k.startswith("dra_")}
+
+
+def _annotations(plane, node: str) -> dict:
+    from kubernetes import client
+
+    return client.CoreV1Api(plane.api_client()).read_node(node).metadata.annotations or {}

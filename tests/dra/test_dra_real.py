@@ -26,9 +26,12 @@ pytestmark = pytest.mark.integration
 GRACE = 120.0
 
 
-def _effects(plane, tmp_path, node: str, scope: ScopePolicy) -> DraEffects:
-    """The agent's effects for ``node`` over its state file (a second call is the agent restarted)."""
-    settings = settings_for(tmp_path, node, kube="kubeconfig", replace_noexecute_grace_seconds=GRACE)
+def _effects(plane, tmp_path, node: str, scope: ScopePolicy, budget: str = "") -> DraEffects:
+    """The agent's effects for ``node`` over its state file (a second call is the agent restarted).
+    Each node counts against a disruption budget of its own (namespace ``budget``, by default one
+    named after the node), so one test's slot does not hold another test's node."""
+    settings = settings_for(tmp_path, node, kube="kubeconfig", replace_noexecute_grace_seconds=GRACE,
+                            budget_namespace=budget or f"budget-{node}")
     store = StateStore(settings.state_file)
     store.load()
     api_client = plane.api_client()
@@ -36,11 +39,17 @@ def _effects(plane, tmp_path, node: str, scope: ScopePolicy) -> DraEffects:
     return DraEffects(inner, DraApi(api_client, node), scope, settings.taint_key, GRACE)
 
 
-def _agent(plane, tmp_path, node: str, scope: ScopePolicy) -> DraEffects:
+def _agent(plane, tmp_path, node: str, scope: ScopePolicy, budget: str = "") -> DraEffects:
     from kubernetes import client
 
-    effects = _effects(plane, tmp_path, node, scope)
     api_client = plane.api_client()
+    namespace = budget or f"budget-{node}"
+    try:
+        client.CoreV1Api(api_client).create_namespace({"metadata": {"name": namespace}})
+    except client.exceptions.ApiException as exc:
+        if exc.status != 409:  # the budget's namespace, shared by the nodes of one test
+            raise
+    effects = _effects(plane, tmp_path, node, scope, budget)
     client.CoreV1Api(api_client).create_node(node_body(node))
     client.CustomObjectsApi(api_client).create_cluster_custom_object(
         GROUP, "v1", "resourceslices", resource_slice(node, 8))
@@ -94,7 +103,7 @@ def test_one_gpu_of_eight_gets_one_rule_then_noexecute_then_none(dra_plane, tmp_
 
 def test_without_noexecute_the_device_stays_at_noschedule(dra_plane, tmp_path):
     node = "dra-held"
-    effects = _agent(dra_plane, tmp_path, node, ScopePolicy())
+    effects = _agent(dra_plane, tmp_path, node, ScopePolicy(noexecute=False))
     effects.reconcile(Verdict.of([gpu_finding(3)], T0), T0 + GRACE + 1, "boot-1")
     effects.reconcile(Verdict.of([gpu_finding(3)], T0), T0 + 2 * GRACE, "boot-1")
     assert [r["spec"]["taint"]["effect"] for r in _rules(dra_plane, node)] == ["NoSchedule"]

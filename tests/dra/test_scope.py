@@ -26,9 +26,10 @@ def test_a_finding_without_a_gpu_is_node_scope():
 
 def test_the_policy_file_overrides_codes_and_actions():
     policy = parse_policy({"scope": {"codes": {"GPU_XID": "node"}, "actions": {"replace_node": "gpu"},
-                                     "gpu_quarantine_max": 4, "noexecute": True}})
+                                     "gpu_quarantine_max": 4, "noexecute": False}})
     assert policy.scope.scope_of(gpu_finding(1)) == NODE
-    assert policy.scope.gpu_quarantine_max == 4 and policy.scope.noexecute
+    assert policy.scope.gpu_quarantine_max == 4 and not policy.scope.noexecute
+    assert ScopePolicy().noexecute and parse_policy({"scope": {}}).scope.noexecute  # on by default
     finding = gpu_finding(1, action=Action.REPLACE_NODE)
     finding = replace(finding, code="GPU_ROW_REMAP_FAILURE")
     assert policy.scope.scope_of(finding) == GPU
@@ -66,7 +67,8 @@ def test_check_says_a_gpu_finding_is_quarantined_as_one_gpu():
 
     verdict = Verdict.of([gpu_finding(3), gpu_finding(4, action=Action.REPLACE_NODE)], 1.0)
     text = render_check(Collection(timestamp=1.0), verdict, scope=ScopePolicy())
-    assert text.count("  scope: gpu: the agent quarantines this one GPU") == 1
+    assert text.count("  scope: gpu (one GPU, not the node") == 1
+    assert text.count("GPU scope: the agent quarantines this one GPU") == 1
     assert "scope: gpu" not in render_check(Collection(timestamp=1.0), verdict)
     off = render_check(Collection(timestamp=1.0), verdict, scope=ScopePolicy(dra="off"))
     assert "DRA is off in the policy file" in off

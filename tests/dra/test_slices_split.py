@@ -66,7 +66,8 @@ def test_the_split_moves_one_gpu_off_the_node():
     split = split_verdict(verdict, ScopePolicy(noexecute=True), devices)
     assert split.node_verdict.findings == () and split.node_verdict.action is Action.NONE
     assert [(q.ref.device, q.effect) for q in split.quarantines] == [("gpu-3", "NoExecute")]
-    held = split_verdict(verdict, ScopePolicy(), devices)  # NoExecute needs scope.noexecute
+    assert [q.effect for q in split_verdict(verdict, ScopePolicy(), devices).quarantines] == ["NoExecute"]
+    held = split_verdict(verdict, ScopePolicy(noexecute=False), devices)  # scope: {noexecute: false}
     assert [q.effect for q in held.quarantines] == ["NoSchedule"]
 
 
