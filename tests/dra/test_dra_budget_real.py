@@ -21,6 +21,7 @@ from tests.effects.helpers import T0
 
 pytestmark = pytest.mark.integration
 BUDGET = "budget-dra-pair"
+RESTART_BUDGET = "budget-dra-restart"
 PAST_GRACE = T0 + GRACE + 1
 
 
@@ -69,4 +70,39 @@ def test_only_one_device_noexecute_at_a_time_within_a_budget_of_one(dra_plane, t
     status = second.reconcile(bad, PAST_GRACE + 2001, "boot-1")
     assert [row[3] for row in status.gpu_quarantines] == ["NoExecute"] and not status.budget_blocked
     first.close()
+    second.close()
+
+
+def _holders(plane, namespace: str = RESTART_BUDGET) -> set[str]:
+    from kubernetes import client
+
+    leases = client.CoordinationV1Api(plane.api_client()).list_namespaced_lease(namespace).items
+    return {lease.spec.holder_identity for lease in leases
+            if lease.metadata.name.startswith("healthagent-budget-slot") and lease.spec.holder_identity}
+
+
+def test_an_agent_restarted_under_its_device_noexecute_keeps_the_slot(dra_plane, tmp_path):
+    """The restarted agent knows nothing of its rules before its first DRA pass; the Node's
+    annotation holds the slot meanwhile, so no second node is let in while the eviction stands."""
+    from tests.dra.test_dra_real import _effects
+
+    a, b = "dra-restart-a", "dra-restart-b"
+    scope = ScopePolicy(noexecute=True)
+    first = _agent(dra_plane, tmp_path / a, a, scope, budget=RESTART_BUDGET)
+    second = _agent(dra_plane, tmp_path / b, b, scope, budget=RESTART_BUDGET)
+    bad = Verdict.of([gpu_finding(3)], T0)
+    for now in (T0, PAST_GRACE):
+        first.reconcile(bad, now, "boot-1")
+    assert _effects_of(dra_plane, a) == {a: "NoExecute"} and _holders(dra_plane) == {a}
+    first.close()
+
+    restarted = _effects(dra_plane, tmp_path / f"{a}-again", a, scope, RESTART_BUDGET)  # a fresh state file too
+    restarted.startup(PAST_GRACE + 1, "boot-1")
+    assert _holders(dra_plane) == {a}
+    second.reconcile(bad, PAST_GRACE + 2, "boot-1")
+    second.reconcile(bad, PAST_GRACE + 3, "boot-1")
+    assert _effects_of(dra_plane, a, b) == {a: "NoExecute", b: "NoSchedule"} and _holders(dra_plane) == {a}
+    restarted.reconcile(bad, PAST_GRACE + 4, "boot-1")
+    assert _effects_of(dra_plane, a) == {a: "NoExecute"} and _holders(dra_plane) == {a}
+    restarted.close()
     second.close()
