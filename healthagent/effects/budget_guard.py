@@ -325,7 +325,7 @@ class BudgetGuard:
         stale one reclaimed (after one GET of its holder's node at most); None when every slot is
         held by a live node."""
         store = self._require_store()
-        judged, reclaim = False, None
+        judged, reclaim, mine = False, None, []
         for _ in range(TAKE_ATTEMPTS):
             mine = view.held_by(self._node)
             if mine:
@@ -362,6 +362,9 @@ class BudgetGuard:
                 reclaim = None
                 continue
             return replace(g, note=view.describe()), _slot(written, g.scope)
+        if mine:  # its own slot, whose every re-write conflicted: not a full budget, an unwritable one
+            return replace(g, note=f"the budget's Leases could not be read or written (its own slot "
+                                   f"{mine[0].name} conflicted {TAKE_ATTEMPTS} times)"), None
         return replace(g, note=view.describe()), None
 
     def _rolled_back(self, g: GuardState, now: float) -> GuardState:

@@ -123,7 +123,8 @@ def test_a_500_on_the_taint_write_itself(fake, demo, start_agent):
 def test_409_storm_on_the_node(fake, demo, start_agent):
     # more 409s than one reconcile's attempts (6): the next reconcile must come back for the write
     runtime = xid_while(lambda: fake.conflict_next_writes(10), fake, demo, start_agent)
-    recovered(fake, runtime)
+    # the 409s may hit the budget slot's writes too: then the agent says so, once, naming the cause
+    recovered(fake, runtime, budget_unreadable=True)
 
     def conflicts(path: str) -> int:
         return len([r for r in fake.writes(path) if r.status == 409])
@@ -131,10 +132,10 @@ def test_409_storm_on_the_node(fake, demo, start_agent):
     node = conflicts(f"/api/v1/nodes/{NODE}") - conflicts(f"/api/v1/nodes/{NODE}/status")
     status = conflicts(f"/api/v1/nodes/{NODE}/status")
     leases = conflicts("/apis/coordination.k8s.io/")
-    # The first write after the XID is the node's (a slot is created, never PUT, before it): the
-    # first reconcile's six attempts all conflict. The rest may land on the node again, its
-    # status, or the budget slot's re-write, which rereads and writes once more.
-    assert (node + status + leases, node >= 6) == (10, True)
+    # The first write after the XID is the node's (a slot is created, never PUT, before it), and a
+    # conflict ends its reconcile: the next one starts at once and may meet the rest of the storm on
+    # the node again, its status, or the budget slot's re-write. Every 409 is one answered request.
+    assert (node + status + leases, node >= 1) == (10, True)
     # The metrics are the loop's snapshot, published each cycle: wait for the one with the counts.
     wait_metric(runtime, lambda s: s.value("healthagent_kube_writes_total", kind="node", result="conflict") == node
                 and s.value("healthagent_kube_writes_total", kind="node_status", result="conflict") == status,
