@@ -135,7 +135,8 @@ def realistic_node(i: int, rng: random.Random) -> dict:
 # -- the API server's own counters ---------------------------------------------------------------------
 
 def scrape(plane: ControlPlane) -> dict[tuple[str, str, str], float]:
-    """(metric, verb, resource) -> value for the response sizes and the request totals."""
+    """(metric, verb, resource) -> value for the response sizes and the request totals ("bytes",
+    "requests"), and the requests answered 429 ("429")."""
     text = plane.admin_session().get(f"{plane.url}/metrics", timeout=30).text
     out: dict[tuple[str, str, str], float] = {}
     for metric, pattern in (("bytes", SIZE_METRIC), ("requests", REQUEST_METRIC)):
@@ -144,6 +145,9 @@ def scrape(plane: ControlPlane) -> dict[tuple[str, str, str], float]:
             resource = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
             key = (metric, labels.get("verb", ""), resource)
             out[key] = out.get(key, 0.0) + float(match.group("value"))
+            if metric == "requests" and labels.get("code") == "429":  # refused by API Priority and Fairness
+                key = ("429", labels.get("verb", ""), resource)
+                out[key] = out.get(key, 0.0) + float(match.group("value"))
     return out
 
 

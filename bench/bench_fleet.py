@@ -2,7 +2,7 @@
 costs the control plane at rest, in a burst of faults and when an operator clears them, and that
 the disruption budget holds throughout.
 
-    .venv/bin/python -m bench.bench_fleet --preset small|10k [--steady SECONDS] [--json PATH]
+    .venv/bin/python -m bench.bench_fleet --preset small|1k|10k [--steady SECONDS] [--json PATH]
 
 Needs ``etcd`` and ``kube-apiserver`` (``KUBEBUILDER_ASSETS``; ``tests/support/envtest.py``) and
 the test extra's ``kubectl`` (to render the generic overlay's RBAC and admission policies, which
@@ -77,6 +77,7 @@ def report(setup: dict, results: list[Result]) -> None:
     print(f"setup: nodes created in {setup['create_seconds']:.1f} s; {setup['agents_watching']} agents watching after "
           f"{setup['agents_start_seconds']:.1f} s; {setup['passive_watches_live']} other watches live; "
           f"counter counted {setup['gpu_nodes_counted']}")
+    agents = preset["agents"]
     rows = []
     for r in results:
         per = r.bytes_per_decision
@@ -95,12 +96,15 @@ def report(setup: dict, results: list[Result]) -> None:
             + f"; etcd db {w.etcd_bytes / 2**20:,.1f} MiB")
         for note in r.notes:
             print(f"  {note}")
+        print(f"  watch requests: agents {r.agent_watch_opens:,} ({r.agent_watch_opens / agents:.1f} per agent), "
+              f"other nodes {r.passive_watch_opens:,}; answered 429: "
+              + (", ".join(f"{k} {v:,.0f}" for k, v in sorted(r.refused.items())) or "none")
+              + "; agents' errors: " + (", ".join(f"{k} {v}" for k, v in sorted(r.agent_errors.items())) or "none"))
         rows = [[f"{verb} {resource}", f"{w.api.get(('requests', verb, resource), 0):,.0f}",
                  f"{w.api.get(('bytes', verb, resource), 0) / 1e6:,.2f} MB"]
                 for (metric, verb, resource) in sorted(k for k in w.api if k[0] == "requests")
                 if resource in ("nodes", "nodes/status", "leases", "events")]
         print(table(["request", "count", "response bytes"], rows))
-    agents = setup["preset"]["agents"]
     last = results[-1].window
     bench_cpu = sum(r.window.cpu.get("agents (bench process)", 0.0) for r in results)
     seconds = sum(r.window.seconds for r in results)

@@ -41,6 +41,8 @@ class Preset:
 PRESETS = {
     "small": Preset(nodes=60, agents=30, faults=20, limit=3, steady_seconds=3, burst_seconds=3,
                     restart_burst_seconds=4),
+    "1k": Preset(nodes=1_000, agents=200, faults=200, limit=10, steady_seconds=30, burst_seconds=30,
+                 restart_burst_seconds=10),
     "10k": Preset(nodes=10_000, agents=1_000, faults=1_000, limit=10, steady_seconds=600, burst_seconds=60,
                   restart_burst_seconds=30),
 }
@@ -61,6 +63,14 @@ class Result:
     cleared: int = 0
     to_clean: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    agent_watch_opens: int = 0  # the full agents' node watch requests in the window
+    passive_watch_opens: int = 0  # the other nodes' watch requests in the window
+    agent_errors: dict = field(default_factory=dict)  # the full agents' error kinds counted in the window
+
+    @property
+    def refused(self) -> dict:
+        """Requests answered 429 (API Priority and Fairness), by "VERB resource"."""
+        return {f"{verb} {resource}": v for (metric, verb, resource), v in self.window.api.items() if metric == "429"}
 
     def bytes_where(self, verbs: tuple[str, ...], resources: tuple[str, ...] = ()) -> float:
         return sum(v for (metric, verb, resource), v in self.window.api.items()
@@ -120,10 +130,23 @@ class Sim:
 
     # -- scenarios ---------------------------------------------------------------------------------------
 
-    def steady(self, seconds: float) -> Result:
+    def _open_window(self) -> None:
         self.meter.start()
+        self._opens = (self.fleet.watch_opens(), self.passive.figures.opened)
+        self._errors = self.fleet.errors()
+
+    def _close_window(self, name: str, **figures) -> Result:
+        result = Result(name, self.meter.stop(), limit=self.preset.limit, **figures)
+        result.agent_watch_opens = self.fleet.watch_opens() - self._opens[0]
+        result.passive_watch_opens = self.passive.figures.opened - self._opens[1]
+        result.agent_errors = {k: v - self._errors.get(k, 0) for k, v in self.fleet.errors().items()
+                               if v - self._errors.get(k, 0) > 0}
+        return result
+
+    def steady(self, seconds: float) -> Result:
+        self._open_window()
         time.sleep(seconds)
-        return Result("steady state", self.meter.stop(), limit=self.preset.limit)
+        return self._close_window("steady state")
 
     def burst(self, name: str, faults: int, spread: float, restart: bool = False) -> Result:
         from tests.effects.helpers import XID95
@@ -132,7 +155,7 @@ class Sim:
         chosen = self.rng.sample(clean, min(faults, len(clean)))
         offsets = sorted(self.rng.uniform(0.0, spread) for _ in chosen)
         self.log.reset()
-        self.meter.start()
+        self._open_window()
         begin = time.monotonic()
         restarter = None
         if restart:
@@ -150,7 +173,7 @@ class Sim:
                                       for n in wanted) and log.noexecute() >= min(self.preset.limit, len(wanted)),
                       WAIT_SECONDS)
         self._settle()
-        result = Result(name, self.meter.stop(), faults=len(chosen), limit=self.preset.limit)
+        result = self._close_window(name, faults=len(chosen))
         firsts = self.log.first
         result.to_noschedule = [min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute"))
                                 - a.faulted_at for a in chosen]
@@ -181,7 +204,7 @@ class Sim:
         session = self.plane.admin_session()
         token = f"op-{int(time.time())}"
         self.log.reset()
-        self.meter.start()
+        self._open_window()
         started: dict[str, float] = {}
 
         def clear_one(agent) -> None:
@@ -196,7 +219,7 @@ class Sim:
         names = {a.name for a in tainted}
         self.log.wait(lambda log: not names & set(log.effects), WAIT_SECONDS)
         self._settle()
-        result = Result(name, self.meter.stop(), limit=self.preset.limit)
+        result = self._close_window(name)
         result.cleared = len(names - set(self.log.effects))
         result.to_clean = [self.log.first[(n, "clean")] - started[n] for n in names if (n, "clean") in self.log.first]
         result.most_noexecute = self.log.most_noexecute
