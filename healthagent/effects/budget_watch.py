@@ -76,7 +76,7 @@ class SlotWatch:
         self._clock = clock
         self._pause = pause or (lambda stopping, seconds: stopping.wait(seconds))
         self._opened = False  # the current request was answered: its stream is open
-        self._progressed = False  # ... and it carried events or lived a while
+        self._progressed = False  # ... and it lived a while
         self.freed = threading.Event()  # a slot of the budget was seen free: look now
         self._scope = Scope()
         self._stopping = threading.Event()
@@ -146,7 +146,7 @@ class SlotWatch:
 
     def _follow(self, stopping: threading.Event) -> bool:
         """One watch request, read until the server ends it. True if it ran its full term (or
-        the watch was stopped); ``_progressed``: it carried events or lived a while."""
+        the watch was stopped); ``_progressed``: it lived a while."""
         timeout = self._rng.randint(*self._timeouts)
         stream = self._store.watch(self._scope.lease_selector, timeout)
         self._opened = True
@@ -155,18 +155,14 @@ class SlotWatch:
         opened = self._clock()
         try:
             if not stopping.is_set():
-                read_events(stream, stopping, self._counted)
+                read_events(stream, stopping, self._handle)
         finally:
             with self._lock:
                 self._stream = None
             stream.close()
             lived = self._clock() - opened
-            self._progressed = self._progressed or lived >= HEALTHY_STREAM_SECONDS
+            self._progressed = lived >= HEALTHY_STREAM_SECONDS
         return stopping.is_set() or ran_full_term(lived, timeout)
-
-    def _counted(self, kind: str, lease: dict) -> None:
-        self._handle(kind, lease)
-        self._progressed = True
 
     def _handle(self, kind: str, lease: dict) -> None:
         if kind == "ERROR":  # the object is a Status

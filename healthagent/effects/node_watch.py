@@ -184,7 +184,7 @@ class NodeWatch:
         self._clock = clock
         self._pause = pause or (lambda stopping, seconds: stopping.wait(seconds))
         self._opened = False  # the current attempt's watch request was answered: its stream is open
-        self._progressed = False  # ... and it carried events or lived a while
+        self._progressed = False  # ... and it lived a while
         self._node_name = backend.node_name
         self._resume = ""
         self._live = False
@@ -296,8 +296,8 @@ class NodeWatch:
 
     def _follow(self) -> bool:
         """One watch request, read until the server ends it. True if the stream ran its full
-        term (the next request then follows at once); ``_progressed`` says whether it carried
-        events or lived a while (a failure after it starts a new run of failures)."""
+        term (the next request then follows at once); ``_progressed`` says whether it lived a
+        while (a failure after it starts a new run of failures)."""
         timeout = self._rng.randint(*self._timeouts)
         stream = self._backend.watch_own_node(self._resume, timeout)
         self._opened = True
@@ -308,20 +308,14 @@ class NodeWatch:
             if self._stopping.is_set():
                 return True
             self._set_live(True)
-            read_events(stream, self._stopping, self._counted(self._handle))
+            read_events(stream, self._stopping, self._handle)
         finally:
             with self._lock:
                 self._stream = None
             stream.close()
             lived = self._clock() - opened
-            self._progressed = self._progressed or lived >= HEALTHY_STREAM_SECONDS
+            self._progressed = lived >= HEALTHY_STREAM_SECONDS
         return self._stopping.is_set() or ran_full_term(lived, timeout)
-
-    def _counted(self, handle: Callable[[str, dict], None]) -> Callable[[str, dict], None]:
-        def counted(kind: str, obj: dict) -> None:
-            handle(kind, obj)
-            self._progressed = True
-        return counted
 
     def _handle(self, kind: str, obj: dict) -> None:
         if kind == "ERROR":  # the object is a Status

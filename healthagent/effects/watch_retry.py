@@ -67,10 +67,12 @@ class Run:
 
     def failed(self, *, opened: bool, progressed: bool = False) -> "Run":
         """The run after one more failed attempt. ``opened``: the request was answered and its
-        stream open; ``progressed``: that stream carried events or lived a while, so the
-        failure starts a new run (one that began with a live stream lost)."""
+        stream open, so a live stream was lost; ``progressed``: that stream lived a while, so the
+        failure starts a new run. A stream that carried events but was cut or ended within
+        seconds does not: a server shedding its watchers again and again meets ever longer
+        delays, not a re-open at once after each event."""
         run = Run() if progressed else self
-        return Run(run.failures + 1, run.lost or (run.failures == 0 and opened))
+        return Run(run.failures + 1, run.lost or opened)
 
     def delay(self, policy: RetryPolicy, rng: random.Random, retry_after: float = 0.0) -> float:
         return policy.delay(self.failures - 1, rng, lost=self.lost, retry_after=retry_after)

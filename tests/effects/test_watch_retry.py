@@ -89,12 +89,12 @@ def test_a_fleet_cut_in_the_same_second_comes_back_spread_over_seconds():
     assert max(seconds.values()) < 10_000 / 8
 
 
-def test_a_run_of_failures_starts_again_after_a_stream_that_made_progress():
+def test_a_run_of_failures_starts_again_only_after_a_stream_that_lived():
     run = Run().failed(opened=False)  # refused at the door: no spread
     assert run == Run(1, lost=False)
-    run = run.failed(opened=True)  # answered, then cut at once: the same run goes on
-    assert run == Run(2, lost=False)
-    assert run.failed(opened=True, progressed=True) == Run(1, lost=True)  # a live stream lost
+    run = run.failed(opened=True)  # answered, then cut within seconds: the same run goes on, spread
+    assert run == Run(2, lost=True)
+    assert Run(5).failed(opened=True, progressed=True) == Run(1, lost=True)  # a stream that lived, lost
 
 
 def test_retry_after_is_read_from_a_429_reply():
@@ -172,6 +172,21 @@ def test_a_stream_the_server_ends_before_its_time_is_resumed_after_a_spread_dela
     assert tally.snapshot() == {"watch_unavailable": 1}
 
 
+def test_a_server_shedding_the_watch_again_and_again_meets_ever_longer_delays(fake, node_watch):
+    """Streams that carry events but end within seconds each time (a server too busy to keep its
+    watchers) are one run of failures: the delays grow to the cap instead of a re-open at once."""
+    watch, pauses, tally = node_watch(Widest())
+    watch.start(listed(fake))
+    for opened in range(1, 7):
+        wait_for(lambda: len(fake.watches()) == opened and fake.open_watches() == 1, LONG, f"watch {opened}")
+        fake.update_node(NODE, lambda n: n["metadata"]["labels"].update({"step": str(opened)}))
+        wait_for(lambda: watch.resume_version == str(fake.resource_version), LONG, "the event")
+        fake.end_watches()
+    wait_for(lambda: len(fake.watches()) == 7, LONG, "the seventh watch")
+    assert pauses.snapshot() == [10.0, 10.0, 10.0, 10.0, 12.8, 25.6]
+    assert tally.snapshot() == {"watch_unavailable": 6}
+
+
 def test_a_stream_that_runs_its_full_term_is_followed_at_once(fake, node_watch):
     pauses, tally = Pauses(), ErrorTally("kube")
     watch = NodeWatch(ApiBackend(fake.api_client(), NODE), NodeCache(), owned=lambda node: None,
@@ -203,7 +218,7 @@ def test_the_budget_watch_backs_off_the_same_way(fake):
         fake.drop_watches()  # a live stream lost, and the first retry answered 429
         wait_for(lambda: len(fake.watches(SLOT_LEASES)) == 6 and fake.open_watches() == 1, LONG,
                  "the slot watch after the cut and the 429")
-        assert pauses.snapshot()[3:] == [10.0, 14.0]  # spread after the cut; Retry-After + the spread
+        assert pauses.snapshot()[3:] == [10.0, 16.8]  # the run goes on, spread; then Retry-After + 12.8
         assert tally.snapshot() == {"watch_rejected_403": 3, "watch_unavailable": 2}
     finally:
         watch.stop()
