@@ -40,7 +40,7 @@ from tests.support.envtest import ControlPlane, find_assets, missing_reason
 BYTES_PER_DECISION_BOUND = 20_000
 
 
-def run(preset_name: str, steady: float | None = None, restart: bool = True,
+def run(preset_name: str, steady: float | None = None, restart: bool = True, api_priority: bool = True,
         progress: Callable[[Result], None] = lambda result: None) -> tuple[dict, list[Result]]:
     """Every scenario of the preset in order; ``progress`` sees each result as it comes."""
     assets = find_assets()
@@ -50,7 +50,7 @@ def run(preset_name: str, steady: float | None = None, restart: bool = True,
     if steady is not None:
         preset = dataclasses.replace(preset, steady_seconds=steady)
     with ControlPlane(assets) as plane:
-        with Sim(plane, preset) as sim:
+        with Sim(plane, preset, api_priority=api_priority) as sim:
             steps = [lambda: sim.steady(preset.steady_seconds),
                      lambda: sim.burst(f"{preset.faults} faults in {preset.burst_seconds:.0f} s", preset.faults,
                                        preset.burst_seconds),
@@ -65,7 +65,7 @@ def run(preset_name: str, steady: float | None = None, restart: bool = True,
             for step in steps:
                 results.append(step())
                 progress(results[-1])
-            setup = dict(sim.setup, agent_errors=sim.fleet.errors(), counter_rounds=sim.counter.rounds,
+            setup = dict(sim.setup, api_priority=api_priority, agent_errors=sim.fleet.errors(), counter_rounds=sim.counter.rounds,
                          passive_watch_opens=sim.passive.figures.opened, passive_events=sim.passive.figures.events)
     return {"preset": dataclasses.asdict(preset), **setup}, results
 
@@ -73,7 +73,8 @@ def run(preset_name: str, steady: float | None = None, restart: bool = True,
 def report(setup: dict, results: list[Result]) -> None:
     preset = setup["preset"]
     print(f"{preset['nodes']:,} nodes, {preset['agents']:,} agents in full (every other node: its watch), "
-          f"budget limit {preset['limit']}")
+          f"budget limit {preset['limit']}; the agents' FlowSchema and priority level "
+          + ("applied" if setup.get("api_priority") else "left out"))
     print(f"setup: nodes created in {setup['create_seconds']:.1f} s; {setup['agents_watching']} agents watching after "
           f"{setup['agents_start_seconds']:.1f} s; {setup['passive_watches_live']} other watches live; "
           f"counter counted {setup['gpu_nodes_counted']}")
@@ -99,6 +100,7 @@ def report(setup: dict, results: list[Result]) -> None:
         print(f"  watch requests: agents {r.agent_watch_opens:,} ({r.agent_watch_opens / agents:.1f} per agent), "
               f"other nodes {r.passive_watch_opens:,}; answered 429: "
               + (", ".join(f"{k} {v:,.0f}" for k, v in sorted(r.refused.items())) or "none")
+              + f"; watchers the API server shed: {r.shed_watchers:,}"
               + "; agents' errors: " + (", ".join(f"{k} {v}" for k, v in sorted(r.agent_errors.items())) or "none"))
         rows = [[f"{verb} {resource}", f"{w.api.get(('requests', verb, resource), 0):,.0f}",
                  f"{w.api.get(('bytes', verb, resource), 0) / 1e6:,.2f} MB"]
@@ -119,12 +121,15 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steady", type=float, help="seconds of steady state (the preset's otherwise)")
     parser.add_argument("--no-restart", action="store_true", help="leave out the API server restart scenario")
+    parser.add_argument("--no-api-priority", action="store_true",
+                        help="leave out the deploy's FlowSchema and priority level for the agents")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops etcd and the API server
     print(machine(), flush=True)
     setup, results = run(args.preset, args.steady, restart=not args.no_restart,
+                         api_priority=not args.no_api_priority,
                          progress=lambda r: print(f"done: {r.name}: tainted {r.tainted}/{r.faults}, cleared "
                                                   f"{r.cleared}, most NoExecute {r.most_noexecute}", flush=True))
     report(setup, results)

@@ -28,6 +28,37 @@ def apply_generic_access(plane: ControlPlane) -> None:
     apply_access_objects(plane.api_client(), objects)
 
 
+PRIORITY_KINDS = ("PriorityLevelConfiguration", "FlowSchema")
+
+
+def apply_api_priority(plane: ControlPlane) -> dict[str, str]:
+    """The generic overlay's API Priority and Fairness objects (component api-priority: the
+    agents' and the counter's own priority level), server-side applied as an install applies
+    them; their uids by kind, to tell the requests classified into them."""
+    from kubernetes import dynamic
+
+    from tests.support.access_cluster import apply_access_objects
+    from tests.support.deploy import DEPLOY, kubectl_binary, render
+
+    objects = [o for o in render(DEPLOY / "overlays" / "generic", kubectl_binary()) if o["kind"] in PRIORITY_KINDS]
+    objects.sort(key=lambda o: PRIORITY_KINDS.index(o["kind"]))  # the level before the schema naming it
+    apply_access_objects(plane.api_client(), objects)
+    resources = dynamic.DynamicClient(plane.api_client()).resources
+    return {o["kind"]: resources.get(api_version=o["apiVersion"], kind=o["kind"]).get(
+        name=o["metadata"]["name"]).metadata.uid for o in objects}
+
+
+def shed_watchers(plane: ControlPlane) -> int:
+    """How often the API server so far closed a watcher it could not keep up with ("Forcing ...
+    watcher close due to unresponsiveness" in its log, every API server run since the start)."""
+    path = plane.workdir / "kube-apiserver.log"
+    try:
+        with open(path, "rb") as log:
+            return sum(line.count(b"watcher close due to unresponsiveness") for line in log)
+    except OSError:
+        return 0
+
+
 def identity(plane: ControlPlane, account: str, node: str = "") -> Any:
     """An API client that acts as ``account`` in the agents' namespace, as its pod's token
     would: the admin impersonates the service account (and, for an agent, the node its
@@ -94,5 +125,5 @@ def etcd_size(plane: ControlPlane) -> int:
     return 0
 
 
-__all__ = ["GPU_SELECTOR", "NAMESPACE", "apply_generic_access", "identity", "create_nodes", "ensure_namespace",
+__all__ = ["GPU_SELECTOR", "NAMESPACE", "apply_generic_access", "apply_api_priority", "shed_watchers", "identity", "create_nodes", "ensure_namespace",
            "process_figures", "plane_pids", "etcd_size", "AGENT_ACCOUNT", "COUNTER_ACCOUNT"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.common import percentile
 from bench.fleet_sim.agents import Counter, Fleet
-from bench.fleet_sim.cluster import apply_generic_access, create_nodes, ensure_namespace
+from bench.fleet_sim.cluster import apply_api_priority, apply_generic_access, create_nodes, ensure_namespace, shed_watchers
 from bench.fleet_sim.observe import Meter, TaintLog, Window
 from bench.fleet_sim.watchers import PassiveWatches
 from tests.support.envtest import ControlPlane
@@ -66,6 +66,7 @@ class Result:
     agent_watch_opens: int = 0  # the full agents' node watch requests in the window
     passive_watch_opens: int = 0  # the other nodes' watch requests in the window
     agent_errors: dict = field(default_factory=dict)  # the full agents' error kinds counted in the window
+    shed_watchers: int = 0  # watchers the API server closed as unresponsive in the window
 
     @property
     def refused(self) -> dict:
@@ -90,8 +91,11 @@ class Result:
 
 
 class Sim:
-    def __init__(self, plane: ControlPlane, preset: Preset, seed: int = 16) -> None:
+    def __init__(self, plane: ControlPlane, preset: Preset, seed: int = 16, api_priority: bool = True) -> None:
+        """``api_priority``: apply the deploy's FlowSchema and priority level for the agents (as
+        every overlay does); False: leave the agents in the built-in service-accounts schema."""
         self.plane, self.preset = plane, preset
+        self.api_priority = api_priority
         self.rng = random.Random(seed)
         self._folder = tempfile.TemporaryDirectory(prefix="bench-fleet-")
         self.setup: dict[str, float] = {}
@@ -100,6 +104,7 @@ class Sim:
         p = self.preset
         ensure_namespace(self.plane)
         apply_generic_access(self.plane)
+        self.priority_uids = apply_api_priority(self.plane) if self.api_priority else {}
         names, self.setup["create_seconds"] = create_nodes(self.plane, p.nodes)
         self.names = names
         self.counter = Counter(self.plane, interval=60.0)
@@ -134,11 +139,13 @@ class Sim:
         self.meter.start()
         self._opens = (self.fleet.watch_opens(), self.passive.figures.opened)
         self._errors = self.fleet.errors()
+        self._shed = shed_watchers(self.plane)
 
     def _close_window(self, name: str, **figures) -> Result:
         result = Result(name, self.meter.stop(), limit=self.preset.limit, **figures)
         result.agent_watch_opens = self.fleet.watch_opens() - self._opens[0]
         result.passive_watch_opens = self.passive.figures.opened - self._opens[1]
+        result.shed_watchers = shed_watchers(self.plane) - self._shed
         result.agent_errors = {k: v - self._errors.get(k, 0) for k, v in self.fleet.errors().items()
                                if v - self._errors.get(k, 0) > 0}
         return result
@@ -189,6 +196,12 @@ class Sim:
         result.decisions = int(sum(v for (metric, verb, resource), v in result.window.api.items()
                                    if metric == "requests" and verb == "LIST" and resource == "leases"))
         if restart:
+            gone, back = self.restarted
+            late = [min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute")) - back
+                    for a in chosen]
+            result.notes.append(f"API server away {back - gone:.1f} s (stopped, started, ready); the last faulty "
+                                f"node tainted {max(late):.1f} s after it was ready; faults before it was ready: "
+                                f"{sum(1 for a in chosen if a.faulted_at < back)}")
             result.notes.append(f"API server restarted {spread / 2:.0f} s into the burst; the bench's watch "
                                 f"resumed {self.log.restarts} time(s); passive watch re-opens "
                                 f"{self.passive.figures.failures}")
@@ -228,7 +241,9 @@ class Sim:
 
     def _restart(self) -> None:
         self.meter.before_restart()
+        began = time.monotonic()
         self.plane.restart_apiserver()
+        self.restarted = (began, time.monotonic())  # gone, and ready again
         self.meter.after_restart()
 
     def _settle(self, quiet: float = 2.0) -> None:
