@@ -38,6 +38,7 @@ from bench.fleet_sim.scenarios import PRESETS, Result, Sim
 from tests.support.envtest import ControlPlane, find_assets, missing_reason
 
 BYTES_PER_DECISION_BOUND = 20_000
+WATCH_BACK_SECONDS = 120.0  # a bound on the agents' watches coming back, never a measurement
 
 
 def run(preset_name: str, steady: float | None = None, restart: bool = True, api_priority: bool = True,
@@ -65,7 +66,11 @@ def run(preset_name: str, steady: float | None = None, restart: bool = True, api
             for step in steps:
                 results.append(step())
                 progress(results[-1])
-            setup = dict(sim.setup, api_priority=api_priority, agent_errors=sim.fleet.errors(), counter_rounds=sim.counter.rounds,
+            # every agent's watch back after the restart, within a bound (the retry's cap is 30 s)
+            watching_again = sim.fleet.wait_watching(WATCH_BACK_SECONDS)
+            setup = dict(sim.setup, api_priority=api_priority, agents_watching_at_end=watching_again,
+                         dispatched_in_level=sim.dispatched_in_level(), agent_errors=sim.fleet.errors(),
+                         counter_rounds=sim.counter.rounds,
                          passive_watch_opens=sim.passive.figures.opened, passive_events=sim.passive.figures.events)
     return {"preset": dataclasses.asdict(preset), **setup}, results
 
@@ -113,6 +118,8 @@ def report(setup: dict, results: list[Result]) -> None:
     print(f"\nagents (the bench process: {agents} full agents, every other node's watch, the observer): "
           f"{last.rss.get('agents (bench process)', 0) / 2**20 / agents:.1f} MiB and "
           f"{bench_cpu / seconds / agents * 1000:.2f} ms CPU per second per full agent (upper bounds)")
+    print(f"agents watching at the end: {setup['agents_watching_at_end']} of {agents}; requests dispatched "
+          f"through the agents' FlowSchema since the API server's last start: {setup['dispatched_in_level']:,.0f}")
     print(f"agent errors: {setup['agent_errors'] or 'none'}")
 
 

@@ -75,6 +75,13 @@ class Fleet:
     def watching(self) -> int:
         return sum(1 for a in self.agents if a.effects.watching)
 
+    def wait_watching(self, timeout: float) -> int:
+        """Wait until every agent's node watch is live again (at most ``timeout``); how many are."""
+        deadline = time.monotonic() + timeout
+        while self.watching() < len(self.agents) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.watching()
+
     def watch_opens(self) -> int:
         return sum(a.watch_opens for a in self.agents)
 

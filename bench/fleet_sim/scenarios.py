@@ -19,7 +19,13 @@ from pathlib import Path
 
 from bench.common import percentile
 from bench.fleet_sim.agents import Counter, Fleet
-from bench.fleet_sim.cluster import apply_api_priority, apply_generic_access, create_nodes, ensure_namespace, shed_watchers
+from bench.fleet_sim.cluster import (
+    apply_api_priority,
+    apply_generic_access,
+    create_nodes,
+    ensure_namespace,
+    shed_watchers,
+)
 from bench.fleet_sim.observe import Meter, TaintLog, Window
 from bench.fleet_sim.watchers import PassiveWatches
 from tests.support.envtest import ControlPlane
@@ -238,6 +244,14 @@ class Sim:
         result.most_noexecute = self.log.most_noexecute
         result.faults = len(names)
         return result
+
+    def dispatched_in_level(self) -> float:
+        """Requests the API server dispatched so far through the agents' FlowSchema (API Priority
+        and Fairness), since its last start."""
+        text = self.plane.admin_session().get(f"{self.plane.url}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("apiserver_flowcontrol_dispatched_requests_total{")
+                   and 'flow_schema="healthagent"' in line)
 
     def _restart(self) -> None:
         self.meter.before_restart()
