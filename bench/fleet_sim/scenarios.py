@@ -203,11 +203,10 @@ class Sim:
                                    if metric == "requests" and verb == "LIST" and resource == "leases"))
         if restart:
             gone, back = self.restarted
-            late = [min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute")) - back
-                    for a in chosen]
-            result.notes.append(f"API server away {back - gone:.1f} s (stopped, started, ready); the last faulty "
-                                f"node tainted {max(late):.1f} s after it was ready; faults before it was ready: "
-                                f"{sum(1 for a in chosen if a.faulted_at < back)}")
+            last = max(min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute"))
+                       for a in chosen)
+            result.notes.append(f"API server restart: {back - gone:.1f} s from its stop to its /readyz (it serves "
+                                f"before that); the last faulty node tainted {last - gone:.1f} s after the stop")
             result.notes.append(f"API server restarted {spread / 2:.0f} s into the burst; the bench's watch "
                                 f"resumed {self.log.restarts} time(s); passive watch re-opens "
                                 f"{self.passive.figures.failures}")
