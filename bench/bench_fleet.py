@@ -106,6 +106,11 @@ def report(setup: dict, results: list[Result]) -> None:
               f"other nodes {r.passive_watch_opens:,}; answered 429: "
               + (", ".join(f"{k} {v:,.0f}" for k, v in sorted(r.refused.items())) or "none")
               + f"; watchers the API server shed: {r.shed_watchers:,}"
+              + "; queued (API Priority and Fairness): " + (", ".join(
+                  f"{level} {count:,.0f} requests, mean wait "
+                  f"{w.api.get(('apf_wait_sum', level, schema), 0) / count:.3f} s"
+                  for (metric, level, schema), count in sorted(w.api.items())
+                  if metric == "apf_wait_count" and schema in ("healthagent", "service-accounts") and count) or "none")
               + "; agents' errors: " + (", ".join(f"{k} {v}" for k, v in sorted(r.agent_errors.items())) or "none"))
         rows = [[f"{verb} {resource}", f"{w.api.get(('requests', verb, resource), 0):,.0f}",
                  f"{w.api.get(('bytes', verb, resource), 0) / 1e6:,.2f} MB"]
