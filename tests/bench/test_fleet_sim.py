@@ -4,7 +4,8 @@ restarts it), 30 agents' effects in full under the admission policies with their
 identities, the other 30 nodes' watches. Through every scenario (a burst over seconds, a burst in
 one second, operator clears, a burst with an API server restart in the middle) the budget is
 never exceeded as a watch counts it, every faulty node is tainted, every cleared one is clean, a
-budget decision costs the API server at most 20 kB whatever the fleet's size, the agents' requests
+budget decision costs the API server at most 20 kB whatever the fleet's size (away from the
+restart, after which every agent lists its own node once), the agents' requests
 go through their own FlowSchema, and every agent's watch is back after the restarted API server
 stopped refusing it. Times are printed
 by the bench, never asserted here."""
@@ -40,7 +41,10 @@ def test_the_small_fleet_keeps_its_budget_taints_every_faulty_node_and_decides_i
         assert result.most_noexecute <= preset["limit"], result.name  # never past the limit
     for burst in bursts:
         assert burst.tainted == burst.faults == preset["faults"], burst.name
-        assert burst.decisions > 0 and burst.bytes_per_decision <= BYTES_PER_DECISION_BOUND, burst.name
+        assert burst.decisions > 0, burst.name
+        if "restarted" not in burst.name:  # after a restart each agent lists its own node once (the new
+            # server's watch cache cannot resume the old version): bytes of no budget decision
+            assert burst.bytes_per_decision <= BYTES_PER_DECISION_BOUND, burst.name
         assert len(burst.to_noexecute) >= preset["limit"], burst.name  # the slot holders went out
     for clear in clears:
         assert clear.cleared == clear.faults > 0, clear.name
