@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from tests.effects.helpers import wait_for
 from tests.support.access_cluster import apply_access_objects, delete_access_objects
 from tests.support.deploy import OVERLAYS, find
 from tests.support.gated_source import LONG
-from tests.effects.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
