@@ -59,6 +59,8 @@ GPU_SELECTOR = "nvidia.com/gpu.present=true"
 NAMESPACE = "healthagent"
 SIZE_METRIC = re.compile(r'^apiserver_response_sizes_sum\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.M)
 REQUEST_METRIC = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.M)
+WAIT_METRIC = re.compile(r'^apiserver_flowcontrol_request_wait_duration_seconds_(?P<part>sum|count)\{(?P<labels>[^}]*)\} '
+                         r'(?P<value>\S+)$', re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 STEP_TIMEOUT = 300.0  # the longest any single wait may take (a bound, never a measurement)
 AGENT_RESOURCES = ("nodes", "nodes/status", "leases", "events")  # what the agents' requests touch
@@ -135,7 +137,8 @@ def realistic_node(i: int, rng: random.Random) -> dict:
 # -- the API server's own counters ---------------------------------------------------------------------
 
 def scrape(plane: ControlPlane) -> dict[tuple[str, str, str], float]:
-    """(metric, verb, resource) -> value for the response sizes and the request totals."""
+    """(metric, verb, resource) -> value for the response sizes and the request totals ("bytes",
+    "requests"), and the requests answered 429 ("429")."""
     text = plane.admin_session().get(f"{plane.url}/metrics", timeout=30).text
     out: dict[tuple[str, str, str], float] = {}
     for metric, pattern in (("bytes", SIZE_METRIC), ("requests", REQUEST_METRIC)):
@@ -144,6 +147,13 @@ def scrape(plane: ControlPlane) -> dict[tuple[str, str, str], float]:
             resource = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
             key = (metric, labels.get("verb", ""), resource)
             out[key] = out.get(key, 0.0) + float(match.group("value"))
+            if metric == "requests" and labels.get("code") == "429":  # refused by API Priority and Fairness
+                key = ("429", labels.get("verb", ""), resource)
+                out[key] = out.get(key, 0.0) + float(match.group("value"))
+    for match in WAIT_METRIC.finditer(text):  # time in API Priority and Fairness queues, by priority level
+        labels = dict(LABEL.findall(match.group("labels")))
+        key = (f"apf_wait_{match.group('part')}", labels.get("priority_level", ""), labels.get("flow_schema", ""))
+        out[key] = out.get(key, 0.0) + float(match.group("value"))
     return out
 
 

@@ -38,6 +38,14 @@ class Agent:
         self.worker = EffectsWorker(self.effects, "boot-1", clock=time.monotonic, wall=time.time)
         self.effects.on_change = self.worker.wake
         self.faulted_at: float | None = None
+        self.watch_opens = 0  # node watch requests sent (first open, resumes, re-opens)
+        open_watch = self.effects.backend.watch_own_node
+
+        def counted(*args, **kwargs):
+            self.watch_opens += 1
+            return open_watch(*args, **kwargs)
+
+        self.effects.backend.watch_own_node = counted
 
     def fault(self, verdict: Verdict) -> None:
         self.faulted_at = time.monotonic()
@@ -66,6 +74,16 @@ class Fleet:
 
     def watching(self) -> int:
         return sum(1 for a in self.agents if a.effects.watching)
+
+    def wait_watching(self, timeout: float) -> int:
+        """Wait until every agent's node watch is live again (at most ``timeout``); how many are."""
+        deadline = time.monotonic() + timeout
+        while self.watching() < len(self.agents) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.watching()
+
+    def watch_opens(self) -> int:
+        return sum(a.watch_opens for a in self.agents)
 
     def errors(self) -> dict[str, int]:
         total: dict[str, int] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
@@ -18,14 +19,50 @@ CREATE_THREADS = 16
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+@functools.lru_cache(maxsize=1)
+def generic_overlay() -> tuple[dict, ...]:
+    """The generic overlay's objects, rendered once (``kubectl kustomize`` takes seconds)."""
+    from tests.support.deploy import DEPLOY, kubectl_binary, render
+
+    return tuple(render(DEPLOY / "overlays" / "generic", kubectl_binary()))
+
+
 def apply_generic_access(plane: ControlPlane) -> None:
     """The generic overlay's namespace, service accounts, RBAC and admission policies, as an
     install applies them (``tests/support/access_cluster.py`` does the same for the tests)."""
     from tests.support.access_cluster import ACCESS_KINDS, apply_access_objects
-    from tests.support.deploy import DEPLOY, kubectl_binary, render
 
-    objects = [o for o in render(DEPLOY / "overlays" / "generic", kubectl_binary()) if o["kind"] in ACCESS_KINDS]
+    apply_access_objects(plane.api_client(), [o for o in generic_overlay() if o["kind"] in ACCESS_KINDS])
+
+
+PRIORITY_KINDS = ("PriorityLevelConfiguration", "FlowSchema")
+
+
+def apply_api_priority(plane: ControlPlane) -> dict[str, str]:
+    """The generic overlay's API Priority and Fairness objects (component api-priority: the
+    agents' and the counter's own priority level), server-side applied as an install applies
+    them; their uids by kind, to tell the requests classified into them."""
+    from kubernetes import dynamic
+
+    from tests.support.access_cluster import apply_access_objects
+
+    objects = [o for o in generic_overlay() if o["kind"] in PRIORITY_KINDS]
+    objects.sort(key=lambda o: PRIORITY_KINDS.index(o["kind"]))  # the level before the schema naming it
     apply_access_objects(plane.api_client(), objects)
+    resources = dynamic.DynamicClient(plane.api_client()).resources
+    return {o["kind"]: resources.get(api_version=o["apiVersion"], kind=o["kind"]).get(
+        name=o["metadata"]["name"]).metadata.uid for o in objects}
+
+
+def shed_watchers(plane: ControlPlane) -> int:
+    """How often the API server so far closed a watcher it could not keep up with ("Forcing ...
+    watcher close due to unresponsiveness" in its log, every API server run since the start)."""
+    path = plane.workdir / "kube-apiserver.log"
+    try:
+        with open(path, "rb") as log:
+            return sum(line.count(b"watcher close due to unresponsiveness") for line in log)
+    except OSError:
+        return 0
 
 
 def identity(plane: ControlPlane, account: str, node: str = "") -> Any:
@@ -94,5 +131,6 @@ def etcd_size(plane: ControlPlane) -> int:
     return 0
 
 
-__all__ = ["GPU_SELECTOR", "NAMESPACE", "apply_generic_access", "identity", "create_nodes", "ensure_namespace",
+__all__ = ["GPU_SELECTOR", "NAMESPACE", "apply_generic_access", "apply_api_priority", "shed_watchers", "identity",
+           "create_nodes", "ensure_namespace",
            "process_figures", "plane_pids", "etcd_size", "AGENT_ACCOUNT", "COUNTER_ACCOUNT"]

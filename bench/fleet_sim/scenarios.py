@@ -19,7 +19,13 @@ from pathlib import Path
 
 from bench.common import percentile
 from bench.fleet_sim.agents import Counter, Fleet
-from bench.fleet_sim.cluster import apply_generic_access, create_nodes, ensure_namespace
+from bench.fleet_sim.cluster import (
+    apply_api_priority,
+    apply_generic_access,
+    create_nodes,
+    ensure_namespace,
+    shed_watchers,
+)
 from bench.fleet_sim.observe import Meter, TaintLog, Window
 from bench.fleet_sim.watchers import PassiveWatches
 from tests.support.envtest import ControlPlane
@@ -41,6 +47,8 @@ class Preset:
 PRESETS = {
     "small": Preset(nodes=60, agents=30, faults=20, limit=3, steady_seconds=3, burst_seconds=3,
                     restart_burst_seconds=4),
+    "1k": Preset(nodes=1_000, agents=200, faults=200, limit=10, steady_seconds=30, burst_seconds=30,
+                 restart_burst_seconds=10),
     "10k": Preset(nodes=10_000, agents=1_000, faults=1_000, limit=10, steady_seconds=600, burst_seconds=60,
                   restart_burst_seconds=30),
 }
@@ -61,6 +69,15 @@ class Result:
     cleared: int = 0
     to_clean: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    agent_watch_opens: int = 0  # the full agents' node watch requests in the window
+    passive_watch_opens: int = 0  # the other nodes' watch requests in the window
+    agent_errors: dict = field(default_factory=dict)  # the full agents' error kinds counted in the window
+    shed_watchers: int = 0  # watchers the API server closed as unresponsive in the window
+
+    @property
+    def refused(self) -> dict:
+        """Requests answered 429 (API Priority and Fairness), by "VERB resource"."""
+        return {f"{verb} {resource}": v for (metric, verb, resource), v in self.window.api.items() if metric == "429"}
 
     def bytes_where(self, verbs: tuple[str, ...], resources: tuple[str, ...] = ()) -> float:
         return sum(v for (metric, verb, resource), v in self.window.api.items()
@@ -80,8 +97,11 @@ class Result:
 
 
 class Sim:
-    def __init__(self, plane: ControlPlane, preset: Preset, seed: int = 16) -> None:
+    def __init__(self, plane: ControlPlane, preset: Preset, seed: int = 16, api_priority: bool = True) -> None:
+        """``api_priority``: apply the deploy's FlowSchema and priority level for the agents (as
+        every overlay does); False: leave the agents in the built-in service-accounts schema."""
         self.plane, self.preset = plane, preset
+        self.api_priority = api_priority
         self.rng = random.Random(seed)
         self._folder = tempfile.TemporaryDirectory(prefix="bench-fleet-")
         self.setup: dict[str, float] = {}
@@ -90,6 +110,7 @@ class Sim:
         p = self.preset
         ensure_namespace(self.plane)
         apply_generic_access(self.plane)
+        self.priority_uids = apply_api_priority(self.plane) if self.api_priority else {}
         names, self.setup["create_seconds"] = create_nodes(self.plane, p.nodes)
         self.names = names
         self.counter = Counter(self.plane, interval=60.0)
@@ -120,10 +141,25 @@ class Sim:
 
     # -- scenarios ---------------------------------------------------------------------------------------
 
-    def steady(self, seconds: float) -> Result:
+    def _open_window(self) -> None:
         self.meter.start()
+        self._opens = (self.fleet.watch_opens(), self.passive.figures.opened)
+        self._errors = self.fleet.errors()
+        self._shed = shed_watchers(self.plane)
+
+    def _close_window(self, name: str, **figures) -> Result:
+        result = Result(name, self.meter.stop(), limit=self.preset.limit, **figures)
+        result.agent_watch_opens = self.fleet.watch_opens() - self._opens[0]
+        result.passive_watch_opens = self.passive.figures.opened - self._opens[1]
+        result.shed_watchers = shed_watchers(self.plane) - self._shed
+        result.agent_errors = {k: v - self._errors.get(k, 0) for k, v in self.fleet.errors().items()
+                               if v - self._errors.get(k, 0) > 0}
+        return result
+
+    def steady(self, seconds: float) -> Result:
+        self._open_window()
         time.sleep(seconds)
-        return Result("steady state", self.meter.stop(), limit=self.preset.limit)
+        return self._close_window("steady state")
 
     def burst(self, name: str, faults: int, spread: float, restart: bool = False) -> Result:
         from tests.effects.helpers import XID95
@@ -132,7 +168,7 @@ class Sim:
         chosen = self.rng.sample(clean, min(faults, len(clean)))
         offsets = sorted(self.rng.uniform(0.0, spread) for _ in chosen)
         self.log.reset()
-        self.meter.start()
+        self._open_window()
         begin = time.monotonic()
         restarter = None
         if restart:
@@ -150,7 +186,7 @@ class Sim:
                                       for n in wanted) and log.noexecute() >= min(self.preset.limit, len(wanted)),
                       WAIT_SECONDS)
         self._settle()
-        result = Result(name, self.meter.stop(), faults=len(chosen), limit=self.preset.limit)
+        result = self._close_window(name, faults=len(chosen))
         firsts = self.log.first
         result.to_noschedule = [min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute"))
                                 - a.faulted_at for a in chosen]
@@ -166,6 +202,11 @@ class Sim:
         result.decisions = int(sum(v for (metric, verb, resource), v in result.window.api.items()
                                    if metric == "requests" and verb == "LIST" and resource == "leases"))
         if restart:
+            gone, back = self.restarted
+            last = max(min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute"))
+                       for a in chosen)
+            result.notes.append(f"API server restart: {back - gone:.1f} s from its stop to its /readyz (it serves "
+                                f"before that); the last faulty node tainted {last - gone:.1f} s after the stop")
             result.notes.append(f"API server restarted {spread / 2:.0f} s into the burst; the bench's watch "
                                 f"resumed {self.log.restarts} time(s); passive watch re-opens "
                                 f"{self.passive.figures.failures}")
@@ -181,7 +222,7 @@ class Sim:
         session = self.plane.admin_session()
         token = f"op-{int(time.time())}"
         self.log.reset()
-        self.meter.start()
+        self._open_window()
         started: dict[str, float] = {}
 
         def clear_one(agent) -> None:
@@ -196,16 +237,26 @@ class Sim:
         names = {a.name for a in tainted}
         self.log.wait(lambda log: not names & set(log.effects), WAIT_SECONDS)
         self._settle()
-        result = Result(name, self.meter.stop(), limit=self.preset.limit)
+        result = self._close_window(name)
         result.cleared = len(names - set(self.log.effects))
         result.to_clean = [self.log.first[(n, "clean")] - started[n] for n in names if (n, "clean") in self.log.first]
         result.most_noexecute = self.log.most_noexecute
         result.faults = len(names)
         return result
 
+    def dispatched_in_level(self) -> float:
+        """Requests the API server dispatched so far through the agents' FlowSchema (API Priority
+        and Fairness), since its last start."""
+        text = self.plane.admin_session().get(f"{self.plane.url}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("apiserver_flowcontrol_dispatched_requests_total{")
+                   and 'flow_schema="healthagent"' in line)
+
     def _restart(self) -> None:
         self.meter.before_restart()
+        began = time.monotonic()
         self.plane.restart_apiserver()
+        self.restarted = (began, time.monotonic())  # gone, and ready again
         self.meter.after_restart()
 
     def _settle(self, quiet: float = 2.0) -> None:

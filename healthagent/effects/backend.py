@@ -71,7 +71,12 @@ class AlreadyExists(ApiError):
 
 
 class ApiUnavailable(ApiError):
-    pass
+    """``retry_after``: the seconds of the server's ``Retry-After`` (a 429 from API Priority and
+    Fairness), 0 when it named none."""
+
+    def __init__(self, message: str, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ApiRejected(ApiError):
@@ -363,11 +368,22 @@ def classify_api_exception(exc: Any) -> ApiError:
             message = str(body.get("message") or "")
     except (ValueError, TypeError):
         pass
-    return classify_status(status, reason, message)
+    return classify_status(status, reason, message, retry_after_seconds(getattr(exc, "headers", None)))
 
 
-def classify_status(status: int, reason: str, message: str) -> ApiError:
-    """The error kind for an API ``Status`` (an error reply, or a watch's ERROR event)."""
+def retry_after_seconds(headers: Any) -> float:
+    """A reply's ``Retry-After`` in seconds (the API server sends whole seconds); 0 when absent or
+    not a number (an HTTP date is not what the API server sends)."""
+    try:
+        value = headers.get("Retry-After") if headers is not None else None
+        return max(0.0, min(float(value), 600.0)) if value is not None else 0.0
+    except (AttributeError, TypeError, ValueError):
+        return 0.0
+
+
+def classify_status(status: int, reason: str, message: str, retry_after: float = 0.0) -> ApiError:
+    """The error kind for an API ``Status`` (an error reply, or a watch's ERROR event);
+    ``retry_after``: the reply's ``Retry-After`` in seconds, kept on a 429 or 5xx."""
     if status == 410:
         return Expired(status, reason or "Expired", message)
     if status == 409:
@@ -375,7 +391,7 @@ def classify_status(status: int, reason: str, message: str) -> ApiError:
             return AlreadyExists(message or "already exists")
         return Conflict(message or "conflict")
     if status == 0 or status == 429 or status >= 500:
-        return ApiUnavailable(f"status={status} reason={reason} {message}".strip())
+        return ApiUnavailable(f"status={status} reason={reason} {message}".strip(), retry_after)
     return ApiRejected(status, reason, message)
 
 

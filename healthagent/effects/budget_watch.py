@@ -12,11 +12,12 @@ current state (``resourceVersion=0``: every Lease first as an ADDED event from t
 watch cache, then each change), so a slot freed between the look that held the node and the
 watch's start is seen too, and there is no resume version to lose (no 410 Gone to handle). The
 server ends a request after ``timeoutSeconds`` (drawn in 5-10 min, so a fleet does not re-watch
-in step); the next one follows at once. A refused, cut or hung request is backed off (jittered,
-capped); a refusal (RBAC without ``watch`` on leases) is counted and tried again every 5 min. A
-line that is not a watch event is counted and the stream opened again. A request that ends at
-once with nothing in it counts as a failure, so an empty budget is never a busy loop. The kinds
-counted are the node watch's (``watch_unavailable``, ``watch_rejected_<status>``,
+in step); the next one follows at once. A refused, cut or hung request, a 429, a 401 or 403 (a
+restarted API server refuses everyone until its caches fill) and a stream the server ended before
+its time are tried again after the node watch's delays (``effects/watch_retry.py``: capped
+exponential with full jitter, never before a 429's ``Retry-After``, spread over seconds after a
+live stream was lost). A line that is not a watch event is counted and the stream opened again.
+The kinds counted are the node watch's (``watch_unavailable``, ``watch_rejected_<status>``,
 ``watch_bad_event``, ``watch_internal``), and the log line names the budget's watch.
 
 What it reports is only "a slot of this budget is free now" (``freed``) and a wake-up
@@ -33,18 +34,19 @@ import time
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
-from healthagent.effects.backend import ApiError, ApiRejected, jittered_backoff
+from healthagent.effects.backend import ApiError, ApiRejected
 from healthagent.effects.budget import Scope, slot_index
 from healthagent.effects.node_watch import (
     BACKOFF_SECONDS,
     HEALTHY_STREAM_SECONDS,
-    REJECTED_RETRY_SECONDS,
     STOP_JOIN_SECONDS,
     WATCH_TIMEOUT_SECONDS,
     BadEvent,
+    ran_full_term,
     read_events,
     status_error,
 )
+from healthagent.effects.watch_retry import SPREAD_SECONDS, RetryPolicy, Run, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +58,25 @@ class SlotWatch:
                  on_freed: Callable[[], None] | None = None,
                  timeout_seconds: tuple[int, int] = WATCH_TIMEOUT_SECONDS,
                  backoff: tuple[float, float] = BACKOFF_SECONDS,
-                 rejected_retry_seconds: float = REJECTED_RETRY_SECONDS) -> None:
+                 spread_seconds: float = SPREAD_SECONDS,
+                 clock: Callable[[], float] = time.monotonic,
+                 pause: Callable[[threading.Event, float], object] | None = None) -> None:
         """``store``: the ``LeaseStore`` (its ``watch``; None in dry-run: never watches);
         ``on_freed`` is called from the watch thread when a slot frees and must only wake the
-        caller."""
+        caller. ``backoff`` (base, cap) and ``spread_seconds``: the retry policy
+        (``watch_retry``); ``pause(stopping, seconds)`` waits out a retry delay; ``clock`` times
+        how long a stream lived."""
         self._store = store
         self._node = node_name
         self._tally = tally
         self._rng = rng
         self._on_freed = on_freed
         self._timeouts = (max(1, int(timeout_seconds[0])), max(1, int(timeout_seconds[1])))
-        self._backoff = backoff
-        self._rejected_retry = rejected_retry_seconds
+        self._policy = RetryPolicy(backoff[0], backoff[1], spread_seconds)
+        self._clock = clock
+        self._pause = pause or (lambda stopping, seconds: stopping.wait(seconds))
+        self._opened = False  # the current request was answered: its stream is open
+        self._progressed = False  # ... and it lived a while
         self.freed = threading.Event()  # a slot of the budget was seen free: look now
         self._scope = Scope()
         self._stopping = threading.Event()
@@ -115,35 +124,45 @@ class SlotWatch:
     # -- the thread --------------------------------------------------------------------------------
 
     def _run(self, stopping: threading.Event) -> None:
-        failures = 0
+        run = Run()
         while not stopping.is_set():
+            self._opened = self._progressed = False
             try:
-                progressed = self._follow(stopping)
+                full_term = self._follow(stopping)
             except Exception as exc:  # noqa: BLE001 - every failure is classified in _failed
                 if stopping.is_set():
                     return
-                failures += 1
-                stopping.wait(self._failed(exc, failures))
+                run = run.failed(opened=self._opened, progressed=self._progressed)
+                delay = self._failed(exc, run)
             else:
-                failures = 0 if progressed else failures + 1
-                if failures:
-                    stopping.wait(jittered_backoff(failures - 1, self._backoff[0], self._backoff[1], self._rng))
+                if full_term:
+                    continue
+                run = run.failed(opened=True, progressed=self._progressed)  # the server ended it early
+                delay = run.delay(self._policy, self._rng)
+                self._tally.count("watch_unavailable", f"node={self._node} the server ended the watch on the "
+                                                       f"budget's Leases before its time; again in {delay:.1f} s")
+            if not stopping.is_set():
+                self._pause(stopping, delay)
 
     def _follow(self, stopping: threading.Event) -> bool:
-        """One watch request, read until the server ends it. True if it made progress (events, or
-        a stream that lived a while)."""
-        stream = self._store.watch(self._scope.lease_selector, self._rng.randint(*self._timeouts))
+        """One watch request, read until the server ends it. True if it ran its full term (or
+        the watch was stopped); ``_progressed``: it lived a while."""
+        timeout = self._rng.randint(*self._timeouts)
+        stream = self._store.watch(self._scope.lease_selector, timeout)
+        self._opened = True
         with self._lock:
             self._stream = stream
-        opened, events = time.monotonic(), 0
+        opened = self._clock()
         try:
             if not stopping.is_set():
-                events = read_events(stream, stopping, self._handle)
+                read_events(stream, stopping, self._handle)
         finally:
             with self._lock:
                 self._stream = None
             stream.close()
-        return events > 0 or time.monotonic() - opened >= HEALTHY_STREAM_SECONDS
+            lived = self._clock() - opened
+            self._progressed = lived >= HEALTHY_STREAM_SECONDS
+        return stopping.is_set() or ran_full_term(lived, timeout)
 
     def _handle(self, kind: str, lease: dict) -> None:
         if kind == "ERROR":  # the object is a Status
@@ -160,22 +179,23 @@ class SlotWatch:
             self.freed.set()
             self._wake()
 
-    def _failed(self, exc: Exception, failures: int) -> float:
+    def _failed(self, exc: Exception, run: Run) -> float:
         """Count and log a failed request; how long to wait before the next one."""
         node = f"node={self._node}"
+        delay = run.delay(self._policy, self._rng, retry_after(exc))
         if isinstance(exc, ApiRejected):
             self._tally.count(f"watch_rejected_{exc.status}",
                               f"{node} watch on the budget's Leases refused ({exc}); looking on a timer, "
-                              f"retrying the watch every {self._rejected_retry:.0f} s")
-            return self._rejected_retry
-        if isinstance(exc, BadEvent):
-            self._tally.count("watch_bad_event", f"{node} {exc}; watching again")
+                              f"watching again in {delay:.1f} s")
+        elif isinstance(exc, BadEvent):
+            self._tally.count("watch_bad_event", f"{node} {exc}; watching again in {delay:.1f} s")
         elif isinstance(exc, ApiError):
-            self._tally.count("watch_unavailable", f"{node} watch on the budget's Leases lost ({exc})")
+            self._tally.count("watch_unavailable", f"{node} watch on the budget's Leases lost ({exc}); again in "
+                                                   f"{delay:.1f} s")
         else:  # a bug here must not end the watch for good
             self._tally.count("watch_internal", "budget watch step failed (see the traceback)")
             log.error("effects %s budget watch internal error", node, exc_info=exc)
-        return jittered_backoff(failures - 1, self._backoff[0], self._backoff[1], self._rng)
+        return delay
 
     def _wake(self) -> None:
         callback = self._on_freed

@@ -15,10 +15,13 @@ The protocol, as client-go's reflector speaks it, for one object:
     version, at once;
   - 410 Gone (an ERROR event in the stream, as the API server sends it, or an HTTP 410): the
     version left the server's window. LIST again, then watch from the new list's version;
-  - a refused, cut or hung connection, a 5xx or 429: back off (exponential with jitter, capped)
-    and resume from the last version - nothing is lost, the server replays what was missed;
-  - any other 4xx (RBAC without ``watch``): retry only every ``rejected_retry_seconds``, so a
-    fleet with a stale ClusterRole does not hammer the server; the effects fall back to reads;
+  - a refused, cut or hung connection, a 5xx, a 429, a 401 or 403 (a restarted API server
+    refuses everyone until its caches fill), or a stream the server ended before its time: back
+    off and resume from the last version - nothing is lost, the server replays what was missed.
+    The delays are ``effects/watch_retry.py``'s: capped exponential with full jitter, never
+    before a 429's ``Retry-After``, and spread over seconds when a live stream was lost, so a
+    fleet cut in the same second does not come back in the same second. The effects read the
+    node meanwhile;
   - a line that is not a watch event is counted and the node listed again (an event may have
     been lost with it).
 
@@ -44,15 +47,16 @@ import threading
 import time
 from typing import Any, Callable
 
-from healthagent.effects.backend import ApiError, ApiRejected, Expired, classify_status, jittered_backoff
 from healthagent.common import ErrorTally
+from healthagent.effects.backend import ApiError, ApiRejected, Expired, classify_status
+from healthagent.effects.watch_retry import BASE_SECONDS, CAP_SECONDS, SPREAD_SECONDS, RetryPolicy, Run, retry_after
 
 log = logging.getLogger(__name__)
 
 WATCH_TIMEOUT_SECONDS = (300, 600)  # server-side timeoutSeconds, drawn per request (client-go: 5-10 min)
-BACKOFF_SECONDS = (0.8, 30.0)  # base, cap: client-go's reflector backoff
-REJECTED_RETRY_SECONDS = 300.0
+BACKOFF_SECONDS = (BASE_SECONDS, CAP_SECONDS)  # base, cap: client-go's reflector backoff
 HEALTHY_STREAM_SECONDS = 10.0  # a stream that lived this long was no failure, events or not
+FULL_TERM_SLACK_SECONDS = 1.0  # a stream that lived its timeoutSeconds less this ran its full term
 STOP_JOIN_SECONDS = 5.0
 
 
@@ -96,6 +100,12 @@ def status_error(status: dict) -> ApiError:
     code = status.get("code")
     return classify_status(code if isinstance(code, int) else 0, str(status.get("reason") or ""),
                            str(status.get("message") or ""))
+
+
+def ran_full_term(lived: float, timeout_seconds: int) -> bool:
+    """Did a stream that ended cleanly after ``lived`` seconds end because its ``timeoutSeconds``
+    was up? Otherwise the server ended it early: it is going away, or shedding watchers."""
+    return lived + FULL_TERM_SLACK_SECONDS >= timeout_seconds
 
 
 def read_events(stream: Any, stopping: threading.Event, handle: Callable[[str, dict], None]) -> int:
@@ -156,8 +166,13 @@ class NodeWatch:
         rng: random.Random | None = None,
         timeout_seconds: tuple[int, int] = WATCH_TIMEOUT_SECONDS,
         backoff: tuple[float, float] = BACKOFF_SECONDS,
-        rejected_retry_seconds: float = REJECTED_RETRY_SECONDS,
+        spread_seconds: float = SPREAD_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        pause: Callable[[threading.Event, float], object] | None = None,
     ) -> None:
+        """``backoff`` (base, cap) and ``spread_seconds``: the retry policy (``watch_retry``);
+        ``pause(stopping, seconds)`` waits out a retry delay (``stopping.wait`` unless a test
+        records the delays instead); ``clock`` times how long a stream lived."""
         self._backend = backend
         self._cache = cache
         self._owned = owned
@@ -165,8 +180,11 @@ class NodeWatch:
         self._tally = tally
         self._rng = rng or random.Random()
         self._timeouts = (max(1, int(timeout_seconds[0])), max(1, int(timeout_seconds[1])))
-        self._backoff = backoff
-        self._rejected_retry = rejected_retry_seconds
+        self._policy = RetryPolicy(backoff[0], backoff[1], spread_seconds)
+        self._clock = clock
+        self._pause = pause or (lambda stopping, seconds: stopping.wait(seconds))
+        self._opened = False  # the current attempt's watch request was answered: its stream is open
+        self._progressed = False  # ... and it lived a while
         self._node_name = backend.node_name
         self._resume = ""
         self._live = False
@@ -216,22 +234,31 @@ class NodeWatch:
     # -- the thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        failures = 0  # attempts in a row that made no progress
+        run = Run()
         while not self._stopping.is_set():
+            self._opened = self._progressed = False
             try:
                 if not self._resume:
                     self._relist()
-                progressed = self._follow()
+                full_term = self._follow()
             except Exception as exc:  # noqa: BLE001 - every failure is classified in _failed
-                failures += 1
-                delay = self._failed(exc, failures)
+                if self._stopping.is_set():
+                    return
+                run = run.failed(opened=self._opened, progressed=self._progressed)
+                delay = self._failed(exc, run)
             else:
-                failures = 0 if progressed else failures + 1
-                delay = self._delay(failures)
-            if delay > 0:
-                self._stopping.wait(delay)
+                if full_term:
+                    run, delay = Run(), 0.0
+                else:  # the server ended the stream early: it is going away, or shedding watchers
+                    self._set_live(False)
+                    run = run.failed(opened=True, progressed=self._progressed)
+                    delay = run.delay(self._policy, self._rng)
+                    self._tally.count("watch_unavailable", f"node={self._node_name} the server ended the watch "
+                                      f"before its time; resuming in {delay:.1f} s")
+            if delay > 0 and not self._stopping.is_set():
+                self._pause(self._stopping, delay)
 
-    def _failed(self, exc: Exception, failures: int) -> float:
+    def _failed(self, exc: Exception, run: Run) -> float:
         """Count and log a failed attempt; return how long to wait before the next one."""
         self._set_live(False)
         node = f"node={self._node_name}"
@@ -241,26 +268,20 @@ class NodeWatch:
             self._resume = ""
             kind = "watch_expired" if isinstance(exc, Expired) else "watch_bad_event"
             self._tally.count(kind, f"{node} {exc}; listing again")
-            return self._delay(failures - 1)
+            return 0.0 if run.failures == 1 else Run(run.failures - 1, run.lost).delay(self._policy, self._rng)
+        delay = run.delay(self._policy, self._rng, retry_after(exc))
         if isinstance(exc, ApiRejected):
             self._tally.count(f"watch_rejected_{exc.status}",
-                              f"{node} watch/list refused ({exc}); reading the node instead, retrying "
-                              f"the watch every {self._rejected_retry:.0f} s")
-            return self._rejected_retry
-        if isinstance(exc, ApiError):
-            self._tally.count("watch_unavailable", f"{node} watch lost ({exc}); resuming from "
-                                                   f"resourceVersion {self._resume or '(list)'}")
-            return self._delay(failures)
-        # a bug here must not end the watch for good
-        self._tally.count("watch_internal", "watch step failed (see the traceback)")
-        log.error("effects %s watch internal error", node, exc_info=exc)
-        self._resume = ""
-        return self._delay(failures)
-
-    def _delay(self, failures: int) -> float:
-        if failures <= 0:
-            return 0.0
-        return jittered_backoff(failures - 1, self._backoff[0], self._backoff[1], self._rng)
+                              f"{node} watch/list refused ({exc}); reading the node instead, watching again "
+                              f"in {delay:.1f} s")
+        elif isinstance(exc, ApiError):
+            self._tally.count("watch_unavailable", f"{node} watch lost ({exc}); resuming from resourceVersion "
+                                                   f"{self._resume or '(list)'} in {delay:.1f} s")
+        else:  # a bug here must not end the watch for good
+            self._tally.count("watch_internal", "watch step failed (see the traceback)")
+            log.error("effects %s watch internal error", node, exc_info=exc)
+            self._resume = ""
+        return delay
 
     def _relist(self) -> None:
         node, version = self._backend.list_own_node()
@@ -274,26 +295,27 @@ class NodeWatch:
         log.info("effects node=%s watch listed resourceVersion=%s", self._node_name, version)
 
     def _follow(self) -> bool:
-        """One watch request, read until the server ends it. True if it made progress (events,
-        or a stream that lived a while): the next request then follows at once."""
-        stream = self._backend.watch_own_node(self._resume, self._rng.randint(*self._timeouts))
+        """One watch request, read until the server ends it. True if the stream ran its full
+        term (the next request then follows at once); ``_progressed`` says whether it lived a
+        while (a failure after it starts a new run of failures)."""
+        timeout = self._rng.randint(*self._timeouts)
+        stream = self._backend.watch_own_node(self._resume, timeout)
+        self._opened = True
         with self._lock:
             self._stream = stream
-        opened, events = time.monotonic(), 0
+        opened = self._clock()
         try:
             if self._stopping.is_set():
                 return True
             self._set_live(True)
-            events = read_events(stream, self._stopping, self._handle)
-        except ApiError:
-            if self._stopping.is_set():
-                return True  # ``stop`` cut the stream: no failure to count
-            raise
+            read_events(stream, self._stopping, self._handle)
         finally:
             with self._lock:
                 self._stream = None
             stream.close()
-        return events > 0 or time.monotonic() - opened >= HEALTHY_STREAM_SECONDS
+            lived = self._clock() - opened
+            self._progressed = lived >= HEALTHY_STREAM_SECONDS
+        return self._stopping.is_set() or ran_full_term(lived, timeout)
 
     def _handle(self, kind: str, obj: dict) -> None:
         if kind == "ERROR":  # the object is a Status

@@ -47,7 +47,7 @@ COUNTER = {("ServiceAccount", AGENT_NAMESPACE, "healthagent-budget-counter"),
            ("RoleBinding", AGENT_NAMESPACE, "healthagent-budget-counter"),
            ("Deployment", AGENT_NAMESPACE, "healthagent-budget-counter")}
 CLUSTER_SCOPED_KINDS = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                        "ValidatingAdmissionPolicyBinding")
+                        "ValidatingAdmissionPolicyBinding", "FlowSchema", "PriorityLevelConfiguration")
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,7 @@ def _install_upgrade_rollback_uninstall(helm_on_server, control_plane) -> None:
     resources = dynamic.DynamicClient(api).resources
     for kind in CLUSTER_SCOPED_KINDS:
         group_version = ("admissionregistration.k8s.io/v1" if kind.startswith("Validating")
+                         else "flowcontrol.apiserver.k8s.io/v1" if kind in ("FlowSchema", "PriorityLevelConfiguration")
                          else "rbac.authorization.k8s.io/v1")
         left = resources.get(api_version=group_version, kind=kind).get(
             label_selector="app.kubernetes.io/part-of=healthagent").items

@@ -61,6 +61,7 @@ BASE_OBJECTS = [
     ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-events"),
     ("ValidatingAdmissionPolicyBinding", "healthagent-own-node-only"),
 ]
+PRIORITY_KINDS = ("FlowSchema", "PriorityLevelConfiguration")
 COUNTER_KINDS = ("ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "ServiceAccount")
 EVENT_ROLE = "healthagent-events"  # the one Role (and binding) in "default", where node Events live
 
@@ -94,7 +95,8 @@ def test_overlay_renders_the_expected_objects(rendered, overlay):
     dashboards = [o for o in objects if o["kind"] == "ConfigMap"]
     expected = [k for k in BASE_OBJECTS if overlay != "dry-run" or k[0] not in ("Role", "RoleBinding")]
     if overlay != "dry-run":  # the budget counter (component budget-counter): no budget in a dry run
-        expected = sorted(expected + [(kind, "healthagent-budget-counter") for kind in COUNTER_KINDS])
+        expected = expected + [(kind, "healthagent-budget-counter") for kind in COUNTER_KINDS]
+    expected = sorted(expected + [(kind, "healthagent") for kind in PRIORITY_KINDS])  # component api-priority
     assert [k for k in kinds(objects) if k[0] != "ConfigMap"] == expected
     assert all(o["metadata"]["labels"]["grafana_dashboard"] == "1" for o in dashboards)
 
@@ -125,7 +127,7 @@ def test_every_namespaced_object_is_in_the_healthagent_namespace(rendered):
     from healthagent.effects.events import EVENTS_NAMESPACE
 
     cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                      "ValidatingAdmissionPolicyBinding"}
+                      "ValidatingAdmissionPolicyBinding", *PRIORITY_KINDS}
     for overlay, objects in rendered.items():
         for obj in objects:
             expected = None if obj["kind"] in cluster_scoped else "healthagent"

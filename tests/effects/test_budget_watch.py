@@ -100,7 +100,7 @@ def test_a_garbage_line_a_refusal_and_a_cut_stream_are_counted_and_survived(fake
     watch.stop()
     fake.fail_next(1, 403)
     started_refused = SlotWatch(LeaseStore(ApiBackend(fake.api_client(), NODE), NAMESPACE), node_name=NODE,
-                                tally=tally, rng=random.Random(1), rejected_retry_seconds=LONG)
+                                tally=tally, rng=random.Random(1), backoff=(LONG, LONG))
     started_refused.follow(FLEET)
     wait_for(lambda: tally.snapshot().get("watch_rejected_403") == 1, LONG, "the refusal counted")
     started_refused.stop()  # it waits out its retry without a request meanwhile, and stops at once

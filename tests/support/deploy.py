@@ -26,8 +26,9 @@ DEPLOY = REPO / "deploy"
 OVERLAYS = ("generic", "hyperpod", "dry-run", "eks-node-repair")
 COMPONENTS = ("nvidia-runtime-class", "podmonitor", "privileged-kernel-log", "network-policy",
               "network-policy-training-pods", "dra")
-# Components every overlay but dry-run includes itself (never added again on top of one).
-OVERLAY_COMPONENTS = ("budget-counter",)
+# Components the overlays include themselves (never added again on top of one): the budget
+# counter (every overlay but dry-run) and the API priority level (every overlay).
+OVERLAY_COMPONENTS = ("budget-counter", "api-priority")
 # Components that are alternatives to each other: an install takes at most one of each group.
 ALTERNATIVES = (("network-policy", "network-policy-training-pods"),)
 

@@ -34,10 +34,12 @@ class FaultsMixin:
         with self._lock:
             return self._queued.pop((method, path), 0.0)
 
-    def fail_next(self, n: int, status: int = 500) -> None:
-        """The next ``n`` requests get ``status`` (a Status with the reason the real server gives)."""
+    def fail_next(self, n: int, status: int = 500, retry_after: int | None = None) -> None:
+        """The next ``n`` requests get ``status`` (a Status with the reason the real server gives),
+        with a ``Retry-After: <retry_after>`` header when given (as API Priority and Fairness
+        sends one with its 429)."""
         with self._lock:
-            self._fail_next, self._fail_status = n, status
+            self._fail_next, self._fail_status, self._fail_retry_after = n, status, retry_after
 
     def conflict_next_writes(self, n: int) -> None:
         with self._lock:
@@ -48,6 +50,15 @@ class FaultsMixin:
             for watcher in self._watchers:
                 with watcher.cond:
                     watcher.dropped = True
+                    watcher.cond.notify_all()
+
+    def end_watches(self) -> None:
+        """End every open watch stream cleanly before its ``timeoutSeconds``, as a server going
+        away or shedding watchers it cannot keep up with does."""
+        with self._lock:
+            for watcher in self._watchers:
+                with watcher.cond:
+                    watcher.ended = True
                     watcher.cond.notify_all()
 
     def compact(self) -> None:

@@ -75,6 +75,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if status == self.fake._fail_status and self.fake._fail_retry_after is not None:
+            self.send_header("Retry-After", str(self.fake._fail_retry_after))
         self.end_headers()
         self.wfile.write(data)
 
@@ -95,10 +97,10 @@ class _Handler(BaseHTTPRequestHandler):
                     with self.fake._lock:  # every event up to the newest version is queued first
                         self.fake._queue(watcher, self.fake._bookmark())
                 with watcher.cond:
-                    if not watcher.events and not watcher.dropped:
+                    if not watcher.events and not watcher.dropped and not watcher.ended:
                         watcher.cond.wait(0.05)
                     pending, watcher.events = watcher.events, []
-                    dropped = watcher.dropped
+                    dropped, ended = watcher.dropped, watcher.ended
                 for event in pending:
                     text = event if isinstance(event, str) else json.dumps(event)
                     line = text.encode("utf-8") + b"\n"
@@ -110,7 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)  # cut mid-stream, no final chunk
                     return
-                if deadline is not None and time.monotonic() >= deadline:
+                if ended or (deadline is not None and time.monotonic() >= deadline):
                     break
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

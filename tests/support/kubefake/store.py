@@ -42,6 +42,7 @@ class KubeFake(FaultsMixin, WatchMixin, NodesMixin, LeasesMixin, EventsMixin, Re
         self._log: list[RecordedRequest] = []
         self._fail_next = 0
         self._fail_status = 500
+        self._fail_retry_after: int | None = None
         self._conflict_next = 0
         self._delay = 0.0
         self._queued: dict[tuple[str, str], float] = {}  # (method, path): seconds the next one waits in line

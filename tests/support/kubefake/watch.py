@@ -21,6 +21,7 @@ class _Watcher:
     events: list  # event dicts, or str: a raw line (``send_raw_watch_line``)
     cond: threading.Condition
     dropped: bool = False
+    ended: bool = False  # end the stream cleanly now, before its timeoutSeconds
     bookmarks: bool = False
 
 
