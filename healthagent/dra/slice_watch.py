@@ -32,10 +32,11 @@ import time
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
-from healthagent.effects.backend import ApiError, ApiRejected, Expired, jittered_backoff
-from healthagent.effects.node_watch import (BACKOFF_SECONDS, HEALTHY_STREAM_SECONDS, REJECTED_RETRY_SECONDS,
-                                            STOP_JOIN_SECONDS, WATCH_TIMEOUT_SECONDS, BadEvent, read_events,
-                                            resource_version, status_error)
+from healthagent.effects.backend import ApiError, ApiRejected, Expired
+from healthagent.effects.node_watch import (BACKOFF_SECONDS, HEALTHY_STREAM_SECONDS, STOP_JOIN_SECONDS,
+                                            WATCH_TIMEOUT_SECONDS, BadEvent, read_events, resource_version,
+                                            status_error)
+from healthagent.effects.watch_retry import SPREAD_SECONDS, RetryPolicy, Run, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +46,17 @@ class SliceWatch:
 
     def __init__(self, api: Any, node_name: str, *, on_change: Callable[[], None], tally: ErrorTally,
                  rng: random.Random | None = None, timeout_seconds: tuple[int, int] = WATCH_TIMEOUT_SECONDS,
-                 backoff: tuple[float, float] = BACKOFF_SECONDS,
-                 rejected_retry_seconds: float = REJECTED_RETRY_SECONDS) -> None:
+                 backoff: tuple[float, float] = BACKOFF_SECONDS, spread_seconds: float = SPREAD_SECONDS) -> None:
         """``api``: ``list_slices() -> (items, version)`` and ``watch_slices(version, timeout)``
-        returning a stream with ``lines()``, ``interrupt()`` and ``close()`` (``DraApi``)."""
+        returning a stream with ``lines()``, ``interrupt()`` and ``close()`` (``DraApi``). A failed
+        watch is retried as the node's is (``effects/watch_retry.py``)."""
         self._api = api
         self._node = node_name
         self._on_change = on_change
         self._tally = tally
         self._rng = rng or random.Random()
         self._timeouts = timeout_seconds
-        self._backoff = backoff
-        self._rejected_retry = rejected_retry_seconds
+        self._policy = RetryPolicy(backoff[0], backoff[1], spread_seconds)
         self._lock = threading.Lock()
         self._slices: dict[str, dict] = {}
         self._resume = ""
@@ -94,7 +94,7 @@ class SliceWatch:
     # -- the thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        failures = 0
+        run = Run()
         while not self._stopping.is_set():
             try:
                 if not self._resume:
@@ -103,38 +103,36 @@ class SliceWatch:
                         self._changed("listed again")
                 progressed = self._follow()
             except Exception as exc:  # noqa: BLE001 - every failure is classified in _failed
-                failures += 1
-                delay = self._failed(exc, failures)
+                run = run.failed(opened=False)
+                delay = self._failed(exc, run)
             else:
-                failures = 0 if progressed else failures + 1
-                delay = self._delay(failures)
+                if progressed:
+                    run, delay = Run(), 0.0
+                else:  # ended within seconds and carried nothing: the server is going away or shedding
+                    run = run.failed(opened=True)
+                    delay = run.delay(self._policy, self._rng)
             if delay > 0:
                 self._stopping.wait(delay)
 
-    def _failed(self, exc: Exception, failures: int) -> float:
+    def _failed(self, exc: Exception, run: Run) -> float:
         node = f"node={self._node}"
         if isinstance(exc, (Expired, BadEvent)):
             self._resume = ""
             kind = "slice_watch_expired" if isinstance(exc, Expired) else "slice_watch_bad_event"
             self._tally.count(kind, f"{node} {exc}; listing the ResourceSlices again")
-            return self._delay(failures - 1)
+            return 0.0 if run.failures == 1 else Run(run.failures - 1, run.lost).delay(self._policy, self._rng)
+        delay = run.delay(self._policy, self._rng, retry_after(exc))
         if isinstance(exc, ApiRejected):
             self._tally.count(f"slice_watch_rejected_{exc.status}",
-                              f"{node} ResourceSlice watch refused ({exc}); retrying every "
-                              f"{self._rejected_retry:.0f} s")
-            return self._rejected_retry
-        if isinstance(exc, ApiError):
-            self._tally.count("slice_watch_unavailable", f"{node} ResourceSlice watch lost ({exc}); resuming")
-            return self._delay(failures)
-        self._tally.count("slice_watch_internal", "ResourceSlice watch step failed (see the traceback)")
-        log.error("dra %s slice watch internal error", node, exc_info=exc)
-        self._resume = ""
-        return self._delay(failures)
-
-    def _delay(self, failures: int) -> float:
-        if failures <= 0:
-            return 0.0
-        return jittered_backoff(failures - 1, self._backoff[0], self._backoff[1], self._rng)
+                              f"{node} ResourceSlice watch refused ({exc}); watching again in {delay:.1f} s")
+        elif isinstance(exc, ApiError):
+            self._tally.count("slice_watch_unavailable", f"{node} ResourceSlice watch lost ({exc}); resuming "
+                                                         f"in {delay:.1f} s")
+        else:
+            self._tally.count("slice_watch_internal", "ResourceSlice watch step failed (see the traceback)")
+            log.error("dra %s slice watch internal error", node, exc_info=exc)
+            self._resume = ""
+        return delay
 
     def _follow(self) -> bool:
         stream = self._api.watch_slices(self._resume, self._rng.randint(*self._timeouts))
