@@ -21,7 +21,7 @@ from tests.effects.helpers import T0
 
 pytestmark = pytest.mark.integration
 BUDGET = "budget-dra-pair"
-RESTART_BUDGET = "budget-dra-restart"
+RESTART_BUDGET = "budget-dra-pair-restart"  # not budget-<node> of another test's node
 PAST_GRACE = T0 + GRACE + 1
 
 
@@ -86,7 +86,7 @@ def test_an_agent_restarted_under_its_device_noexecute_keeps_the_slot(dra_plane,
     annotation holds the slot meanwhile, so no second node is let in while the eviction stands."""
     from tests.dra.test_dra_real import _effects
 
-    a, b = "dra-restart-a", "dra-restart-b"
+    a, b = "dra-pair-restart-a", "dra-pair-restart-b"
     scope = ScopePolicy(noexecute=True)
     first = _agent(dra_plane, tmp_path / a, a, scope, budget=RESTART_BUDGET)
     second = _agent(dra_plane, tmp_path / b, b, scope, budget=RESTART_BUDGET)
