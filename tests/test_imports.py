@@ -31,7 +31,8 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     # names and help texts: the exporter and the training intake render from it.
     ("foundation", 0, ("healthagent", "healthagent.common", "healthagent.clock",
                        "healthagent.bounded_names", "healthagent.kube_syntax", "healthagent.config",
-                       "healthagent.model", "healthagent.model_adapter", "healthagent.stage_history", "healthagent.telemetry.spec")),
+                       "healthagent.model", "healthagent.model_adapter", "healthagent.model_fabric",
+                       "healthagent.stage_history", "healthagent.telemetry.spec")),
     ("sources", 1, ("healthagent.sources",)),
     ("policy", 1, ("healthagent.policy",)),
     ("training", 1, ("healthagent.training",)),
