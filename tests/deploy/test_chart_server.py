@@ -61,7 +61,16 @@ def kubectl_here(control_plane, kubectl, crds, tmp_path_factory) -> Kubectl:
     return Kubectl(kubectl, control_plane.write_kubeconfig(folder / "kubeconfig"), folder / "cache")
 
 
-CASES = {**PRESETS, **{f"generic+{name}": values for name, values in COMPONENT_VALUES.items()},
+# Every preset, and every component's values at once. Each component alone is the same objects as
+# its Kustomize component (test_chart.py compares them object by object), and test_server_dry_run.py
+# has the server accept each of those: one release with all of them here covers what only the chart
+# renders (values wiring, the namespace, the policy ConfigMap) without a server round per component.
+ALL_COMPONENTS = {"preset": "generic"}
+for _values in COMPONENT_VALUES.values():
+    for _key, _value in _values.items():
+        ALL_COMPONENTS[_key] = ({**ALL_COMPONENTS.get(_key, {}), **_value}
+                                if isinstance(_value, dict) and isinstance(ALL_COMPONENTS.get(_key), dict) else _value)
+CASES = {**PRESETS, "generic+every-component": ALL_COMPONENTS,
          "hyperpod+dry-run": {"preset": "hyperpod", "dryRun": True}}
 
 
