@@ -331,13 +331,19 @@ class DraEffects:
                 else:  # new claims stay off the GPU, the pods using it stay
                     spec = rule_spec(self.node_name, quarantine, "NoSchedule")
                     held.add(quarantine.ref.path)
-            if was is None:
-                try:
-                    self.api.create(spec.body(self.taint_key))
-                except AlreadyExists:
+            try:
+                if was is None:
+                    try:
+                        self.api.create(spec.body(self.taint_key))
+                    except AlreadyExists:
+                        self.api.replace(name, spec.body(self.taint_key))
+                elif was != (spec.driver, spec.pool, spec.device, spec.effect, spec.value[:63]):
                     self.api.replace(name, spec.body(self.taint_key))
-            elif was != (spec.driver, spec.pool, spec.device, spec.effect, spec.value[:63]):
-                self.api.replace(name, spec.body(self.taint_key))
+            except ApiError:
+                if spec.effect == "NoExecute" and spec.device in evicting and (was is None or was[3] != "NoExecute"):
+                    # the eviction did not land: the Node's annotation and the slot held for it go back
+                    self.device_budget.settle(tuple(sorted(d for d in evicting if d != spec.device)), now)
+                raise
             if spec.effect == "NoExecute" and (was is None or was[3] != "NoExecute"):
                 self.device_budget.written(now)
             shown[quarantine.ref.path] = (quarantine.ref, spec.effect)

@@ -262,7 +262,7 @@ class BudgetGuard:
         return replace(g, confirmed_at=None)
 
     def settle(self, g: GuardState, node: dict, now: float, wall: float,
-               wants_slot: bool) -> tuple[GuardState, bool]:
+               wants_slot: bool, device_holds: bool = False) -> tuple[GuardState, bool]:
         """After a reconcile that left the node as planned: give the slot back when the plan wants
         none (``NodePlan.wants_slot``: no agent taint, or no disruptive step left), re-write a slot
         taken in this reconcile (a reclaim that read it before the node's taint landed fails now)
@@ -270,8 +270,10 @@ class BudgetGuard:
         the slot reclaimed: the node goes back to held NoSchedule."""
         if self._store is None:
             return g, False
-        # a taint of the agent's, or a device NoExecute of its own (``effects/device_slot.py``), holds it
-        keep = wants_slot and (bool(owned_taints(node, self._taint_key)) or evicts_a_device(node))
+        # a taint of the agent's, or a device NoExecute of its own (``effects/device_slot.py``: the
+        # device path's word, or the Node's annotation), holds it; the node as cached may not show
+        # the annotation written a moment ago, so the device path's word alone keeps the slot
+        keep = device_holds or (wants_slot and (bool(owned_taints(node, self._taint_key)) or evicts_a_device(node)))
         if not keep:
             self._watch.stop(0.0)  # no slot to wait for
         renew = keep and g.renew_due and g.slot is not None

@@ -384,7 +384,7 @@ class NodeEffects:
         """The budget slot in step with the node as written (no request when it already is; kept
         for a device NoExecute, ``device_slot``); a slot found reclaimed sends the node back to held
         NoSchedule on the next reconcile, at once."""
-        guard, lost = self.budget.settle(s.budget, node, now, wall, plan.wants_slot or self.device_slot())
+        guard, lost = self.budget.settle(s.budget, node, now, wall, plan.wants_slot, self.device_slot())
         s = replace(s, budget=guard)
         if lost:
             self._changed()

@@ -155,8 +155,9 @@ class NvmlSource:
         # Which GPU left is judged only from a walk that agrees with itself: a walk torn by a
         # change mixes indexes from before and after it and would name the wrong GPU.
         vanished = self._vanished(enumerated, now) if consistent else []
-        enumerated = [self._with_reset(s) for s in enumerated]
-        self._note_losses(enumerated, vanished)
+        enumerated = [self._with_reset(s, now, consistent) for s in enumerated]
+        if consistent:  # a torn walk may have named a lost GPU by another's index: no loss judged from it
+            self._note_losses(enumerated, vanished)
         self._remember(enumerated)
         samples = enumerated + vanished
         alive = tuple(GpuIdentity(s.index, s.uuid, s.pci_bus_id) for s in enumerated if not s.lost)
@@ -330,15 +331,17 @@ class NvmlSource:
 
     # -- a GPU reset ---------------------------------------------------------------------------------
 
-    def _with_reset(self, sample: GpuSample) -> GpuSample:
-        """``sample`` with ``reset`` set when NVML shows that its GPU was reset since the last read."""
-        if sample.lost or not sample.uuid:
-            return sample
+    def _with_reset(self, sample: GpuSample, now: float, consistent: bool) -> GpuSample:
+        """``sample`` with ``reset`` set when NVML shows that its GPU was reset since the last read,
+        and cleared otherwise: only a sample read in this walk (not last cycle's kept for a GPU
+        whose identity could not be read now), from a walk that agrees with itself, can show one."""
+        fresh = sample.timestamp == now and consistent
+        if sample.lost or not sample.uuid or not fresh:
+            return replace(sample, reset="") if sample.reset else sample
         why = reset_seen(self._last_good.get(sample.uuid), sample, sample.uuid in self._lost_now)
         if why:
             log.info("source=nvml gpu=%d uuid=%s reset seen: %s", sample.index, sample.uuid, why)
-            return replace(sample, reset=why)
-        return sample
+        return replace(sample, reset=why) if why != sample.reset else sample
 
     # -- lost and vanished GPUs --------------------------------------------------------------------
 

@@ -106,3 +106,4 @@ def test_an_agent_restarted_under_its_device_noexecute_keeps_the_slot(dra_plane,
     assert _effects_of(dra_plane, a) == {a: "NoExecute"} and _holders(dra_plane) == {a}
     restarted.close()
     second.close()
+

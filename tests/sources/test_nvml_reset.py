@@ -54,3 +54,20 @@ def test_a_lost_gpu_that_answers_again_was_reset(lib, scenario):
     ])
     assert _reset(lost, 2) == ""
     assert _reset(back, 2) == "the GPU answers again after NVML reported it lost"
+
+
+def test_a_reset_is_not_said_again_for_a_gpu_whose_identity_cannot_be_read_next(lib, scenario):
+    """After the read that saw the reset, NVML refuses GPU 3's handle: the sample kept from the last
+    read stands in for it, and it must not carry that reset again (a new fault on the GPU would be
+    closed by an old reset, and its quarantine lifted)."""
+    *_, reset, _, refused, again = run_steps(lib, scenario, [
+        {"op": "set_field", "gpu": 3, "field": "ecc_volatile_uncorrected", "value": 2},
+        {"op": "collect"},
+        {"op": "set_field", "gpu": 3, "field": "ecc_volatile_uncorrected", "value": 0},
+        {"op": "collect"},
+        {"op": "deny_handle", "gpu": 3},
+        {"op": "collect"},
+        {"op": "collect"},
+    ])
+    assert _reset(reset, 3) == "the volatile uncorrected ECC count went from 2 to 0"
+    assert _reset(refused, 3) == "" and _reset(again, 3) == ""
