@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 HELD_BY_BUDGET = "held_by_budget"  # the stage of a device whose NoExecute waits for a budget slot
 REFRESH_SECONDS = 60.0  # while DRA is in use but not served: ask discovery again this often
+FORBIDDEN_BACKOFF_CAP_SECONDS = 3600.0  # refused DRA reads: looked at again at most this seldom
 SLICE_VERSION = "v1"
 WATCH_READ_SLACK_SECONDS = 30  # the watch's read timeout is the server-side timeout plus this
 
@@ -152,6 +153,7 @@ class DraEffects:
         self.taint_key = taint_key
         self.grace_seconds = grace_seconds
         self.refresh_seconds = refresh_seconds
+        self._refused = 0  # 403s in a row from the DRA reads (slices, rules): the next look backs off
         self.node_name = inner.node_name
         self.served: bool | None = None  # None: not asked yet
         self.devices: DeviceMap | None = None
@@ -240,7 +242,8 @@ class DraEffects:
         if self.api is None or self.scope.dra == "off":
             self.served = False
             return
-        if self._asked_at is not None and (self.served or now - self._asked_at < self.refresh_seconds):
+        wait = min(FORBIDDEN_BACKOFF_CAP_SECONDS, self.refresh_seconds * 2 ** max(0, self._refused - 1))
+        if self._asked_at is not None and (self.served or now - self._asked_at < wait):
             return
         try:
             self.served = self.api.serves_rules()
@@ -252,8 +255,12 @@ class DraEffects:
             self._tally.count("read_failed", f"node={self.node_name} {exc}")
 
     def _forbidden(self, exc: ApiError, now: float) -> None:
-        """403: the DRA component (its RBAC) is not installed: DRA is not served to this agent."""
-        self.served, self.devices, self._asked_at, self._leftovers = False, None, now, False
+        """403: the DRA component (its RBAC) is not installed, or not yet effective: DRA is not
+        served to this agent for now. Asked again after ``refresh_seconds``, doubling with each
+        refusal in a row up to an hour. Rules an earlier run left stay looked for: a refusal is no
+        proof that none exists (a rule left behind would keep its GPU tainted)."""
+        self.served, self.devices, self._asked_at = False, None, now
+        self._refused += 1
         if "forbidden" not in self._said:
             self._said.add("forbidden")
             log.warning("dra node=%s cannot read ResourceSlices (%s): GPU findings act on the node; "
@@ -306,7 +313,13 @@ class DraEffects:
         present = {}
         listed = bool(self.served and (want or self.quarantined or self._leftovers))
         if listed:
-            for rule in self.api.rules():
+            try:
+                rules = self.api.rules()
+            except ApiRejected as exc:
+                self._forbidden(exc, now)
+                return
+            self._refused = 0
+            for rule in rules:
                 spec = spec_of(rule)
                 name = (rule.get("metadata") or {}).get("name")
                 if spec is not None and spec[1] == self.node_name and isinstance(name, str):

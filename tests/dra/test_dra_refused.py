@@ -1,0 +1,64 @@
+"""A refused DRA read is no proof that no rule exists, on a real kube-apiserver v1.36.
+
+An agent restarts while its device NoExecute rule stands; the restarted agent's first
+ResourceSlice read is answered 403 (its RBAC not effective yet: a fault injected in process, the
+real ``DraApi`` underneath), so the GPU's finding acts on the node meanwhile. The finding then
+closes. The rule an earlier run left is still looked for, after the refusal's back-off, and
+removed: no GPU stays tainted on a healed node.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from healthagent.dra.effects import REFRESH_SECONDS, DraApi, DraEffects
+from healthagent.effects.backend import ApiRejected
+from healthagent.effects.kube import NodeEffects
+from healthagent.effects.state import StateStore
+from healthagent.model import Verdict
+from healthagent.policy.scope import ScopePolicy
+from tests.dra.slices import gpu_finding
+from tests.dra.test_dra_real import GRACE, _agent, _rules
+from tests.effects.helpers import T0, settings_for
+
+pytestmark = pytest.mark.integration
+
+
+class _RefusedOnce(DraApi):
+    """The real DraApi whose first ResourceSlice list is answered 403."""
+
+    refused = 0
+
+    def list_slices(self):
+        if not type(self).refused:
+            type(self).refused += 1
+            raise ApiRejected(403, "Forbidden", "resourceslices is forbidden (injected)")
+        return super().list_slices()
+
+
+def test_a_rule_left_by_an_earlier_run_is_removed_after_a_refused_read(dra_plane, tmp_path):
+    node = "dra-refused"
+    scope = ScopePolicy(noexecute=True)
+    first = _agent(dra_plane, tmp_path / "first", node, scope)
+    bad = Verdict.of([gpu_finding(3)], T0)
+    for now in (T0, T0 + GRACE + 1):
+        first.reconcile(bad, now, "boot-1")
+    assert [r["spec"]["taint"]["effect"] for r in _rules(dra_plane, node)] == ["NoExecute"]
+    first.close()
+
+    settings = settings_for(tmp_path / "again", node, kube="kubeconfig", replace_noexecute_grace_seconds=GRACE,
+                            budget_namespace=f"budget-{node}")
+    store = StateStore(settings.state_file)
+    store.load()
+    api_client = dra_plane.api_client()
+    inner = NodeEffects(settings, api_client, store, watch=False, request_timeout=(2.0, 5.0))
+    again = DraEffects(inner, _RefusedOnce(api_client, node), scope, settings.taint_key, GRACE)
+    start = T0 + 300
+    again.startup(start, "boot-1")
+    again.reconcile(Verdict.of([gpu_finding(3)], start), start, "boot-1")
+    assert _RefusedOnce.refused == 1 and again.served is False  # the GPU's finding acts on the node now
+    healed = Verdict.of([], start + 1)  # the GPU was reset: the finding closed
+    again.reconcile(healed, start + 1, "boot-1")
+    again.reconcile(healed, start + REFRESH_SECONDS + 2, "boot-1")  # the refusal's back-off has passed
+    assert _rules(dra_plane, node) == []
+    again.close()
