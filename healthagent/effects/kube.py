@@ -315,6 +315,8 @@ class NodeEffects:
             s, node, landed = self._write(s, node, chosen, now)
         except ApiError as exc:
             self._log(chosen.seen_notes)
+            if isinstance(exc, ApiUnavailable) and s.record.taint is not None and chosen.state.taint is None:
+                s = self._said(replace(s, record=replace(s.record, removing=True)), chosen.events, ())  # may land
             return self._unwritten(self._failed(s, exc), now, wall)
         if not landed:
             self._log(chosen.seen_notes)

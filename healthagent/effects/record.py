@@ -60,6 +60,9 @@ class EffectsState:
     # and a slot reclaimed before the node's taint landed (the node goes back to held NoSchedule).
     foreign: tuple[OtherWriter, ...] = field(default=(), compare=False)
     rollback: bool = False
+    # A write that removes the agent's taint went out unanswered (a timeout, a 504): it may have
+    # landed, so the taint gone at the next read is the agent's own removal, not an operator's.
+    removing: bool = field(default=False, compare=False)
 
     def reported_action(self, key: str) -> str | None:
         return dict(self.reported).get(key)

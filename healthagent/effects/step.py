@@ -190,10 +190,13 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
         state = replace(state, node_uid=uid)
     ours = owned_taints(node, ctx.settings.taint_key)
     if ours:
+        state = replace(state, removing=False) if state.removing else state  # that removal did not land
         state, adopted = _adopt(state, node, ours, now, ctx.settings.taint_key)
         if adopted:
             notes.append(Note(INFO, f"effects node={ctx.node_name} adopted taint from the node "
                                     f"value={state.taint.value if state.taint else '-'}"))
+    elif state.taint is not None and state.removing:
+        state = replace(state, taint=None, removing=False)  # its own removal, whose reply was lost
     elif state.taint is not None and verdict is not None:
         # gone while the agent still wanted it (a replace taint, a taint action, or a reboot taint
         # held while unobserved): someone removed it by hand

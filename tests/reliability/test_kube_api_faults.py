@@ -167,3 +167,28 @@ def test_watch_streams_cut_while_an_operator_clears_the_node(fake, demo, start_a
                   and taint_write(TAINT_KEY)(r.method, r.path, r.body)]
     assert len(taint_adds) == 1  # the watch's replays never made the agent taint again
     assert alive(runtime)
+
+
+def test_a_taint_removal_answered_504_that_landed_is_the_agents_own(fake, demo, start_agent):
+    """An operator clears the node; the agent's write that removes its taint lands but is answered
+    504 (the API server's deadline passed first). At its next read the taint is gone: the agent's
+    own removal, not a second operator's clear (which would close what opened since)."""
+    import re
+
+    from healthagent.effects.node_desired import CLEAR_ANNOTATION
+
+    runtime = xid_while(lambda: None, fake, demo, start_agent)
+    settled(fake, runtime)
+    hold = fake.hold(lambda method, path, body: method == "PATCH" and bool(re.fullmatch(r"/api/v1/nodes/[^/]+", path)))
+    fake.update_node(NODE, lambda node: node["metadata"]["annotations"].update({CLEAR_ANNOTATION: "ticket-504"}))
+    assert hold.arrived.wait(60)
+    hold.release(apply=True, answer=504)
+    wait_until(lambda: our_taints(fake) == [], timeout=90, what="the taint removed after the clear")
+    wait_until(lambda: events_by_reason(fake).get("Cleared") == 1, what="the Cleared Event")
+    # the reconcile after the 504 read the node: nothing pending, the API server answering
+    wait_metric(runtime, lambda s: s.value("healthagent_kube_pending_writes") == 0
+                and s.value("healthagent_kube_reachable") == 1, "the reconcile after the 504")
+    assert fake.node(NODE)["metadata"]["annotations"].get(CLEAR_ANNOTATION) == "ticket-504"
+    assert events_by_reason(fake) == {"GPU_XID": 1, "Cleared": 1}
+    assert alive(runtime)
+

@@ -226,13 +226,16 @@ class Hold:
     arrived: threading.Event
     _go: threading.Event
     apply: bool = True
+    answer: int = 0  # stored, but answered with this status (a 504 at the API server's deadline)
     method: str = ""
     path: str = ""
     body: Any = None
 
-    def release(self, apply: bool = True) -> None:
-        """Let it through (``apply``: the server stores it) or fail it with a 500 (never stored)."""
-        self.apply = apply
+    def release(self, apply: bool = True, answer: int = 0) -> None:
+        """Let it through (``apply``: the server stores it) or fail it with a 500 (never stored);
+        ``answer``: stored, and answered with that status all the same (a write that landed after
+        the API server's deadline answered 504 Timeout)."""
+        self.apply, self.answer = apply, answer
         self._go.set()
 
 
@@ -274,6 +277,10 @@ class HoldingKubeFake(KubeFake):
             if not entry.apply:
                 return 500, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500,
                              "reason": "InternalError", "message": "held by the test and failed"}
+            if entry.answer:
+                super().handle(method, path, query, content_type, body, accept)
+                return entry.answer, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": entry.answer,
+                                      "reason": "Timeout", "message": "stored, answered after the deadline"}
         return super().handle(method, path, query, content_type, body, accept)
 
 
