@@ -34,7 +34,7 @@ from typing import Any, Callable
 from healthagent.common import ErrorTally
 from healthagent.effects.backend import ApiError, ApiRejected, Expired
 from healthagent.effects.node_watch import (BACKOFF_SECONDS, HEALTHY_STREAM_SECONDS, STOP_JOIN_SECONDS,
-                                            WATCH_TIMEOUT_SECONDS, BadEvent, read_events, resource_version,
+                                            WATCH_TIMEOUT_SECONDS, BadEvent, end_watch, read_events, resource_version,
                                             status_error)
 from healthagent.effects.watch_retry import SPREAD_SECONDS, RetryPolicy, Run, retry_after
 
@@ -83,13 +83,7 @@ class SliceWatch:
         self._thread.start()
 
     def stop(self, timeout: float = STOP_JOIN_SECONDS) -> None:
-        self._stopping.set()
-        with self._lock:
-            stream = self._stream
-        if stream is not None:
-            stream.interrupt()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        end_watch(self._stopping, self._lock, lambda: self._stream, self._thread, timeout)
 
     # -- the thread --------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from healthagent.effects.node_watch import (
     STOP_JOIN_SECONDS,
     WATCH_TIMEOUT_SECONDS,
     BadEvent,
+    end_watch,
     ran_full_term,
     read_events,
     status_error,
@@ -106,12 +107,7 @@ class SlotWatch:
         thread = self._thread
         if thread is None:
             return
-        self._stopping.set()
-        with self._lock:
-            stream = self._stream
-        if stream is not None:
-            stream.interrupt()
-        thread.join(timeout)
+        end_watch(self._stopping, self._lock, lambda: self._stream, thread, timeout)
         self._thread = None
         self.freed.clear()
 

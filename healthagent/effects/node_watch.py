@@ -108,6 +108,20 @@ def ran_full_term(lived: float, timeout_seconds: int) -> bool:
     return lived + FULL_TERM_SLACK_SECONDS >= timeout_seconds
 
 
+def end_watch(stopping: threading.Event, lock: threading.Lock, stream: Callable[[], Any],
+              thread: threading.Thread | None, timeout: float) -> None:
+    """Stop a watch's thread: say so, interrupt the stream its read may be blocked on (``stream``,
+    read under ``lock``), and wait at most ``timeout`` for it. The node, slot and slice watches
+    stop alike."""
+    stopping.set()
+    with lock:
+        current = stream()
+    if current is not None:
+        current.interrupt()
+    if thread is not None:
+        thread.join(timeout)
+
+
 def read_events(stream: Any, stopping: threading.Event, handle: Callable[[str, dict], None]) -> int:
     """Hand each event of ``stream`` to ``handle`` until the server ends it, or ``stopping`` is
     set; how many were handled. A line that is not an event raises ``BadEvent``."""
@@ -222,13 +236,7 @@ class NodeWatch:
         self._thread.start()
 
     def stop(self, timeout: float = STOP_JOIN_SECONDS) -> None:
-        self._stopping.set()
-        with self._lock:
-            stream = self._stream
-        if stream is not None:
-            stream.interrupt()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        end_watch(self._stopping, self._lock, lambda: self._stream, self._thread, timeout)
         self._live = False
 
     # -- the thread --------------------------------------------------------------------------------
