@@ -2,13 +2,12 @@
 behaviour: 60 realistic GPU nodes on a real kube-apiserver + etcd of its own (the scenario
 restarts it), 30 agents' effects in full under the admission policies with their nodes'
 identities, the other 30 nodes' watches. Through every scenario (a burst over seconds, a burst in
-one second, operator clears, a burst with an API server restart in the middle) the budget is
-never exceeded as a watch counts it, every faulty node is tainted, every cleared one is clean, a
-budget decision costs the API server at most 20 kB whatever the fleet's size (away from the
-restart, after which every agent lists its own node once), the agents' requests
-go through their own FlowSchema, and every agent's watch is back after the restarted API server
-stopped refusing it. Times are printed
-by the bench, never asserted here."""
+one second, operator clears) the budget is never exceeded as a watch counts it, every faulty node
+is tainted, every cleared one is clean, a budget decision costs the API server at most 20 kB
+whatever the fleet's size, and the agents' requests go through their own FlowSchema. The bench's
+API server restart (about 20 s for a fresh server to be ready here) runs in the bench only; a
+restart mid-fault is tested in tests/effects/test_scenarios.py, a refused watch's retry in
+tests/effects/test_watch_retry.py. Times are printed by the bench, never asserted here."""
 
 from __future__ import annotations
 
@@ -27,24 +26,22 @@ def test_the_small_fleet_keeps_its_budget_taints_every_faulty_node_and_decides_i
         pytest.skip("no kubectl to render the generic overlay (pip install -e '.[test]')")
     from bench.bench_fleet import BYTES_PER_DECISION_BOUND, run
 
-    setup, results = run("small")
+    setup, results = run("small", restart=False)
     preset = setup["preset"]
     assert setup["agents_watching"] == preset["agents"]
-    assert setup["agents_watching_at_end"] == preset["agents"]  # every watch back after the restart's 403s
+    assert setup["agents_watching_at_end"] == preset["agents"]
     assert setup["dispatched_in_level"] > 0  # the agents' requests went through their own FlowSchema
     assert setup["passive_watches_live"] == preset["nodes"] - preset["agents"]
     assert setup["gpu_nodes_counted"] == preset["nodes"]  # the counter's identity may write the count
     bursts = [r for r in results if r.faults and not r.cleared and r.name != "steady state"]
     clears = [r for r in results if r.cleared or "clear" in r.name]
-    assert len(bursts) == 3 and len(clears) == 2
+    assert len(bursts) == 2 and len(clears) == 2
     for result in results:
         assert result.most_noexecute <= preset["limit"], result.name  # never past the limit
     for burst in bursts:
         assert burst.tainted == burst.faults == preset["faults"], burst.name
         assert burst.decisions > 0, burst.name
-        if "restarted" not in burst.name:  # after a restart each agent lists its own node once (the new
-            # server's watch cache cannot resume the old version): bytes of no budget decision
-            assert burst.bytes_per_decision <= BYTES_PER_DECISION_BOUND, burst.name
+        assert burst.bytes_per_decision <= BYTES_PER_DECISION_BOUND, burst.name
         assert len(burst.to_noexecute) >= preset["limit"], burst.name  # the slot holders went out
     for clear in clears:
         assert clear.cleared == clear.faults > 0, clear.name
