@@ -32,11 +32,11 @@ import time
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
-from healthagent.effects.backend import ApiError, ApiRejected, Expired
+from healthagent.effects.backend import ApiError
 from healthagent.effects.node_watch import (BACKOFF_SECONDS, HEALTHY_STREAM_SECONDS, STOP_JOIN_SECONDS,
-                                            WATCH_TIMEOUT_SECONDS, BadEvent, end_watch, read_events, resource_version,
-                                            status_error)
-from healthagent.effects.watch_retry import SPREAD_SECONDS, RetryPolicy, Run, retry_after
+                                            WATCH_TIMEOUT_SECONDS, BadEvent, end_watch, read_events,
+                                            resource_version, status_error, watch_failure)
+from healthagent.effects.watch_retry import SPREAD_SECONDS, RetryPolicy, Run
 
 log = logging.getLogger(__name__)
 
@@ -110,22 +110,20 @@ class SliceWatch:
 
     def _failed(self, exc: Exception, run: Run) -> float:
         node = f"node={self._node}"
-        if isinstance(exc, (Expired, BadEvent)):
+        kind, delay = watch_failure(exc, run, self._policy, self._rng, relist=True)
+        if kind in ("expired", "bad_event"):
             self._resume = ""
-            kind = "slice_watch_expired" if isinstance(exc, Expired) else "slice_watch_bad_event"
-            self._tally.count(kind, f"{node} {exc}; listing the ResourceSlices again")
-            return 0.0 if run.failures == 1 else Run(run.failures - 1, run.lost).delay(self._policy, self._rng)
-        delay = run.delay(self._policy, self._rng, retry_after(exc))
-        if isinstance(exc, ApiRejected):
-            self._tally.count(f"slice_watch_rejected_{exc.status}",
-                              f"{node} ResourceSlice watch refused ({exc}); watching again in {delay:.1f} s")
-        elif isinstance(exc, ApiError):
+            self._tally.count(f"slice_watch_{kind}", f"{node} {exc}; listing the ResourceSlices again")
+        elif kind == "unavailable":
             self._tally.count("slice_watch_unavailable", f"{node} ResourceSlice watch lost ({exc}); resuming "
                                                          f"in {delay:.1f} s")
-        else:
+        elif kind == "internal":
             self._tally.count("slice_watch_internal", "ResourceSlice watch step failed (see the traceback)")
             log.error("dra %s slice watch internal error", node, exc_info=exc)
             self._resume = ""
+        else:
+            self._tally.count(f"slice_watch_{kind}",
+                              f"{node} ResourceSlice watch refused ({exc}); watching again in {delay:.1f} s")
         return delay
 
     def _follow(self) -> bool:

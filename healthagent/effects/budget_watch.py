@@ -34,7 +34,6 @@ import time
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
-from healthagent.effects.backend import ApiError, ApiRejected
 from healthagent.effects.budget import Scope, slot_index
 from healthagent.effects.node_watch import (
     BACKOFF_SECONDS,
@@ -46,8 +45,9 @@ from healthagent.effects.node_watch import (
     ran_full_term,
     read_events,
     status_error,
+    watch_failure,
 )
-from healthagent.effects.watch_retry import SPREAD_SECONDS, RetryPolicy, Run, retry_after
+from healthagent.effects.watch_retry import SPREAD_SECONDS, RetryPolicy, Run
 
 log = logging.getLogger(__name__)
 
@@ -178,19 +178,18 @@ class SlotWatch:
     def _failed(self, exc: Exception, run: Run) -> float:
         """Count and log a failed request; how long to wait before the next one."""
         node = f"node={self._node}"
-        delay = run.delay(self._policy, self._rng, retry_after(exc))
-        if isinstance(exc, ApiRejected):
-            self._tally.count(f"watch_rejected_{exc.status}",
-                              f"{node} watch on the budget's Leases refused ({exc}); looking on a timer, "
-                              f"watching again in {delay:.1f} s")
-        elif isinstance(exc, BadEvent):
+        kind, delay = watch_failure(exc, run, self._policy, self._rng, relist=False)
+        if kind == "bad_event":
             self._tally.count("watch_bad_event", f"{node} {exc}; watching again in {delay:.1f} s")
-        elif isinstance(exc, ApiError):
+        elif kind == "unavailable":
             self._tally.count("watch_unavailable", f"{node} watch on the budget's Leases lost ({exc}); again in "
                                                    f"{delay:.1f} s")
-        else:  # a bug here must not end the watch for good
+        elif kind == "internal":
             self._tally.count("watch_internal", "budget watch step failed (see the traceback)")
             log.error("effects %s budget watch internal error", node, exc_info=exc)
+        else:
+            self._tally.count(f"watch_{kind}", f"{node} watch on the budget's Leases refused ({exc}); looking on "
+                                               f"a timer, watching again in {delay:.1f} s")
         return delay
 
     def _wake(self) -> None:

@@ -108,6 +108,25 @@ def ran_full_term(lived: float, timeout_seconds: int) -> bool:
     return lived + FULL_TERM_SLACK_SECONDS >= timeout_seconds
 
 
+def watch_failure(exc: BaseException, run: Run, policy: RetryPolicy, rng: random.Random, *,
+                  relist: bool) -> tuple[str, float]:
+    """How one failed watch attempt is counted, and how long to wait before the next: (kind,
+    delay). ``relist``: a 410 or a damaged stream means the resume point cannot be trusted, so the
+    watch lists again, at once the first time and with the back-off when it happens again and
+    again (``expired``, ``bad_event``). Otherwise ``rejected_<status>``, ``bad_event``,
+    ``unavailable``, or ``internal`` (a bug here must not end the watch for good). The node, slot
+    and slice watches all count their failures through this one rule."""
+    if relist and isinstance(exc, (Expired, BadEvent)):
+        kind = "expired" if isinstance(exc, Expired) else "bad_event"
+        return kind, 0.0 if run.failures == 1 else Run(run.failures - 1, run.lost).delay(policy, rng)
+    delay = run.delay(policy, rng, retry_after(exc))
+    if isinstance(exc, ApiRejected):
+        return f"rejected_{exc.status}", delay
+    if isinstance(exc, BadEvent):
+        return "bad_event", delay
+    return ("unavailable" if isinstance(exc, ApiError) else "internal"), delay
+
+
 def end_watch(stopping: threading.Event, lock: threading.Lock, stream: Callable[[], Any],
               thread: threading.Thread | None, timeout: float) -> None:
     """Stop a watch's thread: say so, interrupt the stream its read may be blocked on (``stream``,
@@ -270,25 +289,20 @@ class NodeWatch:
         """Count and log a failed attempt; return how long to wait before the next one."""
         self._set_live(False)
         node = f"node={self._node_name}"
-        if isinstance(exc, (Expired, BadEvent)):
-            # the resume version, or the stream, cannot be trusted: list again - at once the
-            # first time, with backoff when it happens again and again
-            self._resume = ""
-            kind = "watch_expired" if isinstance(exc, Expired) else "watch_bad_event"
-            self._tally.count(kind, f"{node} {exc}; listing again")
-            return 0.0 if run.failures == 1 else Run(run.failures - 1, run.lost).delay(self._policy, self._rng)
-        delay = run.delay(self._policy, self._rng, retry_after(exc))
-        if isinstance(exc, ApiRejected):
-            self._tally.count(f"watch_rejected_{exc.status}",
-                              f"{node} watch/list refused ({exc}); reading the node instead, watching again "
-                              f"in {delay:.1f} s")
-        elif isinstance(exc, ApiError):
+        kind, delay = watch_failure(exc, run, self._policy, self._rng, relist=True)
+        if kind in ("expired", "bad_event"):
+            self._resume = ""  # the resume version, or the stream, cannot be trusted: list again
+            self._tally.count(f"watch_{kind}", f"{node} {exc}; listing again")
+        elif kind == "unavailable":
             self._tally.count("watch_unavailable", f"{node} watch lost ({exc}); resuming from resourceVersion "
                                                    f"{self._resume or '(list)'} in {delay:.1f} s")
-        else:  # a bug here must not end the watch for good
+        elif kind == "internal":
             self._tally.count("watch_internal", "watch step failed (see the traceback)")
             log.error("effects %s watch internal error", node, exc_info=exc)
             self._resume = ""
+        else:
+            self._tally.count(f"watch_{kind}", f"{node} watch/list refused ({exc}); reading the node instead, "
+                                               f"watching again in {delay:.1f} s")
         return delay
 
     def _relist(self) -> None:
