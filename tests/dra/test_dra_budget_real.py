@@ -36,12 +36,17 @@ def _annotation(plane, node: str) -> str | None:
         DEVICE_NO_EXECUTE_ANNOTATION)
 
 
+def _pair(plane, tmp_path, a: str, b: str, budget: str):
+    """Two agents of nodes ``a`` and ``b`` sharing the budget in namespace ``budget``, device
+    NoExecute on; and a reset-class XID on GPU 3."""
+    scope = ScopePolicy(noexecute=True)
+    return (_agent(plane, tmp_path / a, a, scope, budget=budget), _agent(plane, tmp_path / b, b, scope, budget=budget),
+            Verdict.of([gpu_finding(3)], T0))
+
+
 def test_only_one_device_noexecute_at_a_time_within_a_budget_of_one(dra_plane, tmp_path):
     a, b = "dra-budget-a", "dra-budget-b"
-    scope = ScopePolicy(noexecute=True)
-    first = _agent(dra_plane, tmp_path / a, a, scope, budget=BUDGET)
-    second = _agent(dra_plane, tmp_path / b, b, scope, budget=BUDGET)
-    bad = Verdict.of([gpu_finding(3)], T0)
+    first, second, bad = _pair(dra_plane, tmp_path, a, b, BUDGET)
     for effects in (first, second):
         effects.reconcile(bad, T0, "boot-1")
     assert _effects_of(dra_plane, a, b) == {a: "NoSchedule", b: "NoSchedule"}
@@ -87,16 +92,13 @@ def test_an_agent_restarted_under_its_device_noexecute_keeps_the_slot(dra_plane,
     from tests.dra.test_dra_real import _effects
 
     a, b = "dra-pair-restart-a", "dra-pair-restart-b"
-    scope = ScopePolicy(noexecute=True)
-    first = _agent(dra_plane, tmp_path / a, a, scope, budget=RESTART_BUDGET)
-    second = _agent(dra_plane, tmp_path / b, b, scope, budget=RESTART_BUDGET)
-    bad = Verdict.of([gpu_finding(3)], T0)
+    first, second, bad = _pair(dra_plane, tmp_path, a, b, RESTART_BUDGET)
     for now in (T0, PAST_GRACE):
         first.reconcile(bad, now, "boot-1")
     assert _effects_of(dra_plane, a) == {a: "NoExecute"} and _holders(dra_plane) == {a}
     first.close()
 
-    restarted = _effects(dra_plane, tmp_path / f"{a}-again", a, scope, RESTART_BUDGET)  # a fresh state file too
+    restarted = _effects(dra_plane, tmp_path / f"{a}-again", a, ScopePolicy(noexecute=True), RESTART_BUDGET)  # a fresh state file too
     restarted.startup(PAST_GRACE + 1, "boot-1")
     assert _holders(dra_plane) == {a}
     second.reconcile(bad, PAST_GRACE + 2, "boot-1")
