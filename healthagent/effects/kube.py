@@ -55,20 +55,8 @@ from healthagent.effects.plan import Budget, NodePlan, PlanSettings, clear_reque
 from healthagent.effects.record import STATE_KEY, EffectsState, saved_part
 from healthagent.effects.stage import node_side
 from healthagent.effects.worker import verdict_signature
-from healthagent.effects.step import (
-    BUDGET_WORDS,
-    CONFIRM,
-    TAKE,
-    WARNING,
-    Note,
-    Step,
-    StepContext,
-    due_at,
-    observe,
-    plan_for,
-    report_findings,
-    step,
-)
+from healthagent.effects.step import (BUDGET_WORDS, CONFIRM, LATER, TAKE, WARNING, Note, Step, StepContext, due_at,
+                                      observe, plan_for, report_findings, step)
 from healthagent.model import KubeStatus, SourceHealth, Verdict
 from healthagent.common import ErrorTally
 
@@ -89,7 +77,8 @@ class NodeEffects:
     2. **step**: the pure ``effects/step.py`` ``step``, exactly once, against that node, with what
        the budget guard knows without asking (a slot held, a rollback). It returns the plan, the
        state once the plan lands, and the one budget exchange the plan needs with the plan to write
-       under each answer.
+       under each answer. A node's first NoSchedule needs none: it is written first (a burst of
+       faults cordons every node before any budget traffic) and the sequence runs again at once.
     3. **the budget exchange** the step asked for, at most one: ``take`` a slot (a disruptive step
        ahead and no slot: a Lease write) or ``confirm`` the slot held (right before the disruptive
        step: a guarded re-write). The reclaim inside a take judges a stale slot from reads done
@@ -299,7 +288,9 @@ class NodeEffects:
 
     # -- the sequence: read, step, the budget exchange, write, settle ------------------------------
 
-    def _sequence(self, s: DriverState, now: float, wall: float, quiet: bool) -> DriverState:
+    def _sequence(self, s: DriverState, now: float, wall: float, quiet: bool, cordoned: bool = False) -> DriverState:
+        """Read, step, exchange, write, settle; a node's first NoSchedule lands before the budget is
+        asked, then the sequence runs once more (``cordoned``), against the write's reply."""
         try:
             node, s = self._read(s, now, quiet)
         except ApiError as exc:
@@ -321,7 +312,8 @@ class NodeEffects:
         if not landed:
             self._log(chosen.seen_notes)
             return s
-        return self._settle(s, node, chosen.plan, now, wall)
+        s = self._settle(s, node, chosen.plan, now, wall)
+        return self._sequence(s, now, wall, True, cordoned=True) if planned.exchange == LATER and not cordoned else s
 
     def _read(self, s: DriverState, now: float, quiet: bool) -> tuple[dict, DriverState]:
         """The node to step against: the cache while the watch is live and nothing failed; with
@@ -345,12 +337,12 @@ class NodeEffects:
             return self.budget.ask(guard, now, wall, node)
         if exchange == CONFIRM:
             return self.budget.confirm(guard, now, wall)
-        return guard, Budget.ALLOWS
+        return guard, Budget.FIRST if exchange == LATER else Budget.ALLOWS
 
     def _write(self, s: DriverState, node: dict, chosen: Step, now: float) -> tuple[DriverState, dict, bool]:
-        """PATCH the node once, then its status: (the state, the node after, whether the node
-        write landed and the status write did not fail). A conflict or a stale confirm leaves
-        the next reconcile due at once."""
+        """PATCH the node once, then its status (a first NoSchedule alone): (the state, the node
+        after, whether the node write landed and the status write did not fail). A conflict or a
+        stale confirm leaves the next reconcile due at once."""
         plan = chosen.plan
         if plan.node_patch is not None and not self.budget.confirm_fresh(s.budget):
             log.warning("effects node=%s budget=confirm_stale: the slot is confirmed again before the write",
@@ -378,6 +370,8 @@ class NodeEffects:
                        chosen.events, ())
         self._log(chosen.notes)
         self._cache.offer(node)
+        if chosen.exchange == LATER:  # the cordon alone: the conditions go with the budget's answer, at once
+            return replace(s, dirty=False, pending=0), node, True
         node, status_ok = self.writer.write_status(node, plan)
         self._cache.offer(node)
         return replace(s, dirty=not status_ok, pending=int(not status_ok)), node, True

@@ -252,6 +252,7 @@ def plan_taint(
     held: bool,
     reboot_noexecute: bool = True,
     rollback: bool = False,
+    first: bool = False,
 ) -> TaintPlan:
     """Decide the agent's taint for ``action`` (the effective verdict, sticky replace included).
 
@@ -264,7 +265,9 @@ def plan_taint(
     escalation (reboot_node, then replace_node) never takes the eviction back, and its grace goes
     on from the first taint (``since``), not from the new value. The exception is ``rollback``:
     this node's slot was reclaimed before its write landed, so a NoExecute it just wrote goes back
-    to NoSchedule. Removing the taint never asks: the budget never blocks healing. A GPU that fell
+    to NoSchedule. ``first``: the budget is not asked yet, so the NoSchedule goes on now, neither
+    held nor ready (the slot is asked right after it lands: new pods stay off the node whatever
+    the budget's traffic). Removing the taint never asks: the budget never blocks healing. A GPU that fell
     off the bus kills its rank: a pod left on the node only restarts onto it, so a reboot, too,
     must take the job's pods off after the grace.
     """
@@ -276,6 +279,8 @@ def plan_taint(
         return TaintPlan(taint=TaintSpec(action.value, NO_EXECUTE), adds_taint=False, disruptive_ready=True)
     if held or rollback:
         return TaintPlan(taint=TaintSpec(action.value, NO_SCHEDULE), adds_taint=adds, budget_blocked=True)
+    if first:
+        return TaintPlan(taint=TaintSpec(action.value, NO_SCHEDULE), adds_taint=adds)
     started = since if current else None  # a new taint starts its grace now; an escalation goes on
     ready = grace_seconds <= 0 or (started is not None and now - started >= grace_seconds)
     evicts = action is Action.REPLACE_NODE or reboot_noexecute

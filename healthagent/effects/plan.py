@@ -68,6 +68,7 @@ class Budget(enum.Enum):
     """What the disruption budget said about this node's disruptive step."""
 
     UNASKED = "unasked"  # not asked: no disruptive step ahead (one that is ahead is held: fail closed)
+    FIRST = "first"  # not asked yet: the NoSchedule goes on first, the slot is asked right after it
     ALLOWS = "allows"  # this node holds a slot
     HOLDS = "holds"  # no slot (all held, the Leases unreadable): held at NoSchedule
     ROLLBACK = "rollback"  # its slot was reclaimed before its write landed: back to held NoSchedule
@@ -227,10 +228,10 @@ def plan_node(verdict: Verdict | None, node: dict, taint_record: AppliedTaint | 
     since = grace_start(node, key, taint_record.since if taint_record else None, now)
     if since is not None and since > now:  # a grace cannot have started in the future: it starts now
         since = now
-    held = budget is not Budget.ALLOWS and disruptive_step_ahead(shown, settings)
+    held = budget not in (Budget.ALLOWS, Budget.FIRST) and disruptive_step_ahead(shown, settings)
     taint = plan_taint(action=shown, node=node, taint_key=key, grace_seconds=settings.grace_seconds,
                        since=since, now=now, held=held, reboot_noexecute=settings.reboot_noexecute,
-                       rollback=budget is Budget.ROLLBACK)
+                       rollback=budget is Budget.ROLLBACK, first=budget is Budget.FIRST)
     leading_code = findings[0].code if findings else (taint_record.code if taint_record else "")
     unobserved = verdict.unobserved if verdict is not None else ()
     vocab = vocabulary(settings.condition_vocabulary)

@@ -92,6 +92,7 @@ class Note:
 
 
 TAKE, CONFIRM = "take", "confirm"  # the budget exchanges a step may ask for before its write
+LATER = "later"  # no exchange now: the take follows in the next reconcile, at once, once the NoSchedule is on
 BUDGET_WORDS = "<the budget's answer>"  # in a held report until the exchange has answered (``Step.told``)
 
 
@@ -105,8 +106,8 @@ class Step:
     notes: tuple[Note, ...]  # the observation's lines, then those once the plan lands
     seen_notes: tuple[Note, ...] = ()  # the observation's lines alone (the plan did not land)
     # The one budget exchange this step asks for before its write: "" (none), ``TAKE`` (a slot,
-    # for a disruptive step ahead) or ``CONFIRM`` (the slot held, right before the disruptive
-    # step). This step is what to write when the exchange allows; ``refused`` what to write
+    # for a disruptive step ahead), ``CONFIRM`` (the slot held, right before the disruptive
+    # step) or ``LATER`` (none now: the NoSchedule first, the take in the next reconcile). This step is what to write when the exchange allows; ``refused`` what to write
     # under each other answer.
     exchange: str = ""
     refused: "tuple[tuple[Budget, Step], ...]" = ()
@@ -313,8 +314,10 @@ def step(state: EffectsState, verdict: Verdict | None, node: dict, budget: Budge
 
     ``budget`` is what the driver knows without asking: ``ALLOWS`` (the node holds a slot),
     ``ROLLBACK`` (its slot was reclaimed before its taint landed), ``UNASKED`` (no slot) or
-    ``HOLDS``. With no slot and a disruptive step ahead the step asks to ``TAKE`` one; holding one
-    with the disruptive step in this write, to ``CONFIRM`` it. Each answer's plan is made here, so
+    ``HOLDS``. With no slot and a disruptive step ahead, a node without the agent's taint gets its
+    NoSchedule first and asks ``LATER`` (the next reconcile, at once: a burst of faults cordons
+    every node before any budget traffic); one with it asks to ``TAKE`` a slot; holding one with
+    the disruptive step in this write, to ``CONFIRM`` it. Each answer's plan is made here, so
     the driver steps once and writes what the answer selects (``Step.under``)."""
     observed, noticed, seen_notes = observe(state, node, verdict, now, wall, ctx)
 
@@ -326,6 +329,9 @@ def step(state: EffectsState, verdict: Verdict | None, node: dict, budget: Budge
                     notes=seen_notes + notes, seen_notes=seen_notes)
 
     if budget is Budget.UNASKED and asks_budget(observed, verdict, node, ctx.settings):
+        first = planned(Budget.FIRST)
+        if first.plan.taint.adds_taint:  # cordon first: the NoSchedule never waits for the budget
+            return replace(first, exchange=LATER)
         return replace(planned(Budget.ALLOWS), exchange=TAKE, refused=((Budget.HOLDS, planned(Budget.HOLDS)),))
     chosen = planned(budget)
     taint = chosen.plan.taint

@@ -58,10 +58,10 @@ def test_a_fault_takes_a_slot_then_taints_and_no_agent_lists_the_fleet(tmp_path,
     assert not status.budget_blocked and status.pending_writes == 0
     assert node_lists(cluster) == []  # no node is listed to decide
     assert [(r.method, r.path) for r in cluster.writes()] == [
-        ("POST", LEASES),  # the slot, created by the first node to take it
-        ("PATCH", f"/api/v1/nodes/{NODE}"),  # the taint
+        ("PATCH", f"/api/v1/nodes/{NODE}"),  # the NoSchedule, before the budget is asked
+        ("POST", LEASES),  # then the slot, created by the first node to take it
         ("PATCH", f"/api/v1/nodes/{NODE}/status"),
-        ("PUT", f"{LEASES}/{held_by(cluster, NODE)[0]}"),  # settled: the slot re-written after the taint landed
+        ("PUT", f"{LEASES}/{held_by(cluster, NODE)[0]}"),  # settled: the slot re-written with the taint on
         ("POST", "/apis/events.k8s.io/v1/namespaces/default/events")]
     peer = started(tmp_path / "peer", cluster, node="gpu-node-1")
     peer.reconcile(XID95, T0, "boot-1")  # the second slot: the counter's 20 nodes allow 2
@@ -251,7 +251,7 @@ def test_a_slot_reclaimed_before_the_write_landed_sends_the_node_back_to_held_no
     assert wakes.count == 1  # the rollback is due at once
     status = agent.reconcile(XID95, T0 + 1, "boot-1")
     node_writes = [r.body for r in cluster.writes(f"/api/v1/nodes/{NODE}") if not r.path.endswith("/status")]
-    assert len(node_writes) == 2  # NoExecute with the replacement value, then back
+    assert len(node_writes) == 3  # NoSchedule first, NoExecute with the replacement value, then back
     assert effects(cluster) == {"gpu-node-7": "NoSchedule", NODE: "NoSchedule"}
     assert cluster.node(NODE)["metadata"]["labels"][HYPERPOD_HEALTH_LABEL] == "Schedulable"
     assert status.budget_blocked and status.pending_writes == 0 and status.taint_effect == "NoSchedule"

@@ -1,4 +1,5 @@
-"""One reconcile, in order: read, step, the one budget exchange the step asks for, write, settle.
+"""One reconcile, in order: read, step, the one budget exchange the step asks for, write, settle
+(a node's first NoSchedule goes first, then the sequence runs once more for the budget).
 
 The real ``kubernetes`` client against the fake API server; the calls are recorded where the
 effects make them (the backend's node calls, the budget's Lease store, the pure step), so the test
@@ -50,11 +51,12 @@ def test_a_fault_that_takes_a_slot_reads_steps_once_takes_writes_once_and_settle
     status = agent.reconcile(XID95, T0, "boot-1")
     assert calls == [
         "read_node",  # read: a new verdict steps against a fresh node
-        "step",  # step, once: NoSchedule now, and a slot for the disruptive step ahead
+        "step",  # step: the NoSchedule first, no budget exchange yet
+        "patch_node",  # write: the taint alone
+        "step",  # the sequence again, against the write's reply (no read): a slot for the step ahead
         "lease.list", "lease.create",  # the one exchange it asked for: take a slot
-        "patch_node",  # write: the taint, once
-        "patch_node_status",  # and the conditions
-        "lease.replace",  # settle: the slot re-written now that the taint is on the node
+        "patch_node_status",  # write: the conditions (the taint is on already)
+        "lease.replace",  # settle: the slot re-written with the taint on the node
         "create_event",  # then the Event queued by the reconcile
     ]
     assert effects(cluster) == {NODE: "NoSchedule"} and status.pending_writes == 0
