@@ -48,6 +48,11 @@ DEFAULT_REQUEST_TIMEOUT = (3.05, 10.0)  # (connect, read) seconds for every API 
 # judge finds a slot stale before SLOT_GRACE_SECONDS (45 s) after its last change: 10 s leaves the
 # rest for the judges' looks and clocks, so the step lands while its slot is its own or not at all.
 NODE_WRITE_DEADLINE_SECONDS = 10
+# Any other node write (a NoSchedule, a taint's removal, labels) may land late without harm: it
+# waits longer (API Priority and Fairness queues a request for a quarter of its deadline before it
+# answers 429), and the agent waits for its answer as long. In a burst of faults the cordon queues
+# at the API server instead of being refused and sent again.
+HOLD_WRITE_DEADLINE_SECONDS = 30
 # A watch is quiet until the node changes: its read timeout is the server-side timeoutSeconds
 # plus this slack, so only a stream the server should already have ended counts as hung.
 WATCH_READ_SLACK_SECONDS = 30.0
@@ -129,15 +134,19 @@ class ApiBackend:
     def read_node(self) -> dict:
         return self._call(self.core.read_node, self.node_name)
 
-    def patch_node(self, patch: dict, basis: dict) -> dict:
+    def patch_node(self, patch: dict, basis: dict, disruptive: bool = True) -> dict:
         """Apply ``patch`` (labels/annotations/taints, as ``node_patch`` plans it against ``basis``,
-        the node as read) with preconditions on what it replaces. The API server answers a
+        the node as read) with preconditions on what it replaces, within
+        ``NODE_WRITE_DEADLINE_SECONDS`` when it is a ``disruptive`` step (else
+        ``HOLD_WRITE_DEADLINE_SECONDS``). The API server answers a
         failed ``test`` with the same 422 as any invalid patch, so a 422 re-reads the node: if a
         tested value moved, it is a ``Conflict`` (carrying the fresh node); if not, the server
         really refuses the patch (``ApiRejected``)."""
         ops = json_patch_ops(basis, patch)
         try:
-            return self._call(self._patch_node_within_deadline, ops)
+            deadline = NODE_WRITE_DEADLINE_SECONDS if disruptive else HOLD_WRITE_DEADLINE_SECONDS
+            return self._call(self._patch_node_within_deadline, ops, deadline,
+                              _request_timeout=(self.timeout[0], max(self.timeout[1], deadline)))
         except ApiRejected as exc:
             if exc.status != 422:
                 raise
@@ -147,17 +156,17 @@ class ApiBackend:
                 raise Conflict(f"changed since read: {', '.join(moved)}", node=fresh) from None
             raise
 
-    def _patch_node_within_deadline(self, ops: list, _preload_content: bool = False,
+    def _patch_node_within_deadline(self, ops: list, deadline: int, _preload_content: bool = False,
                                     _request_timeout: Any = None) -> Any:
-        """The JSON patch of ``patch_node`` with ``timeout=NODE_WRITE_DEADLINE_SECONDS`` in its query
-        (the typed call has no parameter for it), built and sent by the client's own serializer."""
+        """The JSON patch of ``patch_node`` with ``timeout=<deadline>s`` in its query (the typed
+        call has no parameter for it), built and sent by the client's own serializer."""
         # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
         from kubernetes.client.exceptions import ApiException
 
         api = self.core.api_client
         method, url, headers, body, _ = api.param_serialize(
             method="PATCH", resource_path="/api/v1/nodes/{name}", path_params={"name": self.node_name},
-            query_params=[("timeout", f"{NODE_WRITE_DEADLINE_SECONDS}s")],
+            query_params=[("timeout", f"{deadline}s")],
             header_params={"Content-Type": JSON_PATCH, "Accept": "application/json"}, body=ops,
             auth_settings=["BearerToken"])
         response = api.call_api(method, url, header_params=headers, body=body, _request_timeout=_request_timeout)
@@ -411,7 +420,7 @@ class DryRunBackend:
     def read_node(self) -> dict:
         return copy.deepcopy(self.node)
 
-    def patch_node(self, patch: dict, basis: dict | None = None) -> dict:
+    def patch_node(self, patch: dict, basis: dict | None = None, disruptive: bool = True) -> dict:
         meta = patch.get("metadata") or {}
         for field in ("labels", "annotations"):
             target = self.node["metadata"].setdefault(field, {})

@@ -58,7 +58,8 @@ class NodeWriter:
         raised (the desired state stays pending)."""
         if plan.node_patch is None:
             return NodeWrite(node, True)
-        reply = self._attempt("node", self._backend.patch_node, (plan.node_patch, node), attempt)
+        reply = self._attempt("node", self._backend.patch_node, (plan.node_patch, node, plan.taint.disruptive_ready),
+                              attempt)
         if isinstance(reply, Conflict):
             return NodeWrite(reply.node, False)
         return NodeWrite(reply, True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from healthagent.effects.backend import NODE_WRITE_DEADLINE_SECONDS, ApiUnavailable
+from healthagent.effects.backend import HOLD_WRITE_DEADLINE_SECONDS, NODE_WRITE_DEADLINE_SECONDS, ApiUnavailable
 from healthagent.effects.budget import SLOT_GRACE_SECONDS, slot_name
 from healthagent.effects.budget_guard import CONFIRM_MARGIN_SECONDS
 from tests.effects.budget_helpers import LEASES, NAMESPACE, NODE, cluster, effects, held_by  # noqa: F401
@@ -38,9 +38,11 @@ def test_a_noexecute_queued_past_a_judges_window_never_lands_beside_the_reclaime
     holder = started(tmp_path, cluster, **NO_GRACE)
     real_patch = holder.backend.patch_node
     peak: list[int] = []
+    judged: list[bool] = []
 
-    def queued_past_the_judge(patch, basis):
-        if "NoExecute" in str(patch) and not peak:
+    def queued_past_the_judge(patch, basis, disruptive=True):
+        if "NoExecute" in str(patch) and not judged:
+            judged.append(True)
             judge.reconcile(XID95, T0, "boot-1")  # the judge's first look: the slot is the holder's
             assert effects(cluster).get(JUDGE) == "NoSchedule"
             waited = SLOT_GRACE_SECONDS + 5
@@ -48,14 +50,15 @@ def test_a_noexecute_queued_past_a_judges_window_never_lands_beside_the_reclaime
             assert held_by(cluster, JUDGE) == [slot_name(0)]  # judged stale: no NoExecute on the holder
             cluster.queue_next("PATCH", f"/api/v1/nodes/{NODE}", waited)
         try:
-            return real_patch(patch, basis)
+            return real_patch(patch, basis, disruptive)
         finally:
             peak.append(no_executes(cluster))
 
     holder.backend.patch_node = queued_past_the_judge
     holder.reconcile(XID95, T0, "boot-1")
     assert peak and max(peak) <= 1
-    assert effects(cluster) == {JUDGE: "NoExecute"}  # the late PATCH was answered 504 and changed nothing
+    # the late PATCH was answered 504 and changed nothing: the holder keeps the NoSchedule it had first
+    assert effects(cluster) == {JUDGE: "NoExecute", NODE: "NoSchedule"}
     # its next try confirms again: the slot is the judge's now, so it stays held at NoSchedule
     status = holder.reconcile(XID95, T0 + SLOT_GRACE_SECONDS + 10, "boot-1")
     assert status.budget_blocked and effects(cluster) == {JUDGE: "NoExecute", NODE: "NoSchedule"}
@@ -63,10 +66,13 @@ def test_a_noexecute_queued_past_a_judges_window_never_lands_beside_the_reclaime
 
 
 def test_the_disruptive_write_carries_a_deadline_well_inside_the_judges_grace(tmp_path, cluster):
+    """The NoExecute lands within its deadline or not at all; the NoSchedule before it (no slot
+    behind it, nothing for a judge to hand on) may wait in the server's queue longer."""
     holder = started(tmp_path, cluster, **NO_GRACE)
     holder.reconcile(XID95, T0, "boot-1")
-    (patch,) = [r for r in cluster.writes() if r.path == f"/api/v1/nodes/{NODE}"]
-    assert patch.query.get("timeout") == f"{NODE_WRITE_DEADLINE_SECONDS}s"
+    cordon, step = [r for r in cluster.writes() if r.path == f"/api/v1/nodes/{NODE}"]
+    assert "NoSchedule" in str(cordon.body) and cordon.query.get("timeout") == f"{HOLD_WRITE_DEADLINE_SECONDS}s"
+    assert "NoExecute" in str(step.body) and step.query.get("timeout") == f"{NODE_WRITE_DEADLINE_SECONDS}s"
     assert NODE_WRITE_DEADLINE_SECONDS * 3 <= SLOT_GRACE_SECONDS
 
 
@@ -142,8 +148,9 @@ def test_a_confirm_grown_old_before_the_write_is_made_again_instead_of_writing(t
     holder.budget.clock = lambda: next(ticks)
     holder.reconcile(XID95, T0, "boot-1")
     writes = [(r.method, r.path) for r in cluster.writes() if r.path.startswith(LEASES) or r.path.endswith(NODE)]
-    assert writes == [("POST", LEASES)] and wakes.count == 1  # the slot taken; the node write not sent
+    assert writes == [("PATCH", f"/api/v1/nodes/{NODE}"), ("POST", LEASES)] and wakes.count == 1
+    assert effects(cluster) == {NODE: "NoSchedule"}  # the slot taken after the cordon; the NoExecute not sent
     holder.reconcile(XID95, T0 + 1, "boot-1")
     writes = [(r.method, r.path) for r in cluster.writes() if r.path.startswith(LEASES) or r.path.endswith(NODE)]
-    assert writes[:3] == [("POST", LEASES), ("PUT", f"{LEASES}/{slot_name(0)}"), ("PATCH", f"/api/v1/nodes/{NODE}")]
+    assert writes[1:4] == [("POST", LEASES), ("PUT", f"{LEASES}/{slot_name(0)}"), ("PATCH", f"/api/v1/nodes/{NODE}")]
     assert effects(cluster) == {NODE: "NoExecute"}
