@@ -96,6 +96,18 @@ class Result:
                 f"max {max(values) * 1000:,.0f} ms")
 
 
+def untainted(agent, firsts: dict) -> str:
+    """Why a faulty node shows no taint: what its agent holds (for the one reading the figures)."""
+    from healthagent.effects.node_desired import CLEAR_ANNOTATION, CLEAR_HANDLED_ANNOTATION, annotations_of
+
+    record, status = agent.effects.record, agent.worker.status
+    marks = annotations_of(agent.effects.node or {})
+    return (f"never tainted: {agent.name} (taint recorded {record.taint}, clear to write {record.clear_to_write!r}, "
+            f"removing {record.removing}, clear {marks.get(CLEAR_ANNOTATION)!r} handled "
+            f"{marks.get(CLEAR_HANDLED_ANNOTATION)!r}, watching {status.watching}, pending {status.pending_writes}, "
+            f"reconciles {agent.worker.reconciles}, errors {agent.worker.errors()})")
+
+
 class Sim:
     def __init__(self, plane: ControlPlane, preset: Preset, seed: int = 16, api_priority: bool = True) -> None:
         """``api_priority``: apply the deploy's FlowSchema and priority level for the agents (as
@@ -192,6 +204,8 @@ class Sim:
                                 - a.faulted_at for a in chosen]
         result.to_noschedule = [s for s in result.to_noschedule if s != float("inf")]
         result.tainted = len(result.to_noschedule)
+        result.notes.extend(untainted(a, firsts) for a in chosen
+                            if (a.name, "NoSchedule") not in firsts and (a.name, "NoExecute") not in firsts)
         if result.tainted == len(chosen) and chosen:
             last = max(min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute"))
                        for a in chosen)
