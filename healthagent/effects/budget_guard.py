@@ -276,6 +276,8 @@ class BudgetGuard:
         keep = device_holds or (wants_slot and (bool(owned_taints(node, self._taint_key)) or evicts_a_device(node)))
         if not keep:
             self._watch.stop(0.0)  # no slot to wait for
+            if g.recheck_at is not None or g.holds:  # the held episode is over: a new fault looks at once
+                g = replace(g, recheck_at=None, holds=0)
         renew = keep and g.renew_due and g.slot is not None
         release = not keep and g.slot is not None
         if not (renew or release) or (g.upkeep_at is not None and now < g.upkeep_at):

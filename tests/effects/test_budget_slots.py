@@ -22,6 +22,7 @@ from healthagent.effects.budget import (
     Scope,
     held_lease,
     new_lease,
+    released_lease,
     slot_name,
 )
 from healthagent.effects.api_time import rfc3339
@@ -139,6 +140,27 @@ def test_a_held_node_looks_again_later_and_less_often_then_takes_a_freed_slot_an
     assert agent.budget_recheck_at is None
     about_this_node = [e["reason"] for e in cluster.events() if e["regarding"]["name"] == NODE]
     assert sorted(about_this_node) == ["GPU_XID", "TaintBlockedByBudget"]
+
+
+def test_a_node_held_in_one_episode_looks_at_once_when_it_faults_again(tmp_path, cluster):
+    """Held while every slot was taken, then healed; its next fault, with a slot free by then,
+    takes it at once rather than waiting for the old episode's next look (no slot watch is left
+    to hurry it: a healthy node waits for no slot)."""
+    for i in (0, 1):
+        peer_holds(cluster, i, f"gpu-node-{i + 1}")
+    agent = started(tmp_path, cluster, replace_noexecute_grace_seconds=0.0)
+    agent.budget._reclaim.next_judgement = lambda memory, view, now: None
+    assert agent.reconcile(XID95, T0, "boot-1").budget_blocked
+    old_look = agent.budget_recheck_at
+    cluster.update_node(NODE, lambda n: n["metadata"]["annotations"].update({CLEAR_ANNOTATION: "ticket-1"}))
+    agent.reconcile(XID95, T0 + 1, "boot-1")  # no watch here: the resync reads the clear
+    assert not agent.reconcile(cleared_by("ticket-1"), T0 + 2, "boot-1").budget_blocked  # policy's verdict for it
+    assert our_taints(cluster.node(NODE)) == [] and agent.budget_recheck_at is None
+    cluster.put_lease(NAMESPACE, released_lease(next(x for x in cluster.leases(NAMESPACE)
+                                                     if x["metadata"]["name"] == slot_name(0))))
+    status = agent.reconcile(verdict(finding(finding_id=2, first_seen=T0 + 3)), T0 + 3, "boot-1")
+    assert T0 + 3 < old_look and status.taint_effect == "NoExecute" == effects(cluster)[NODE]
+    assert held_by(cluster, NODE) == [slot_name(0)]
 
 
 @pytest.mark.parametrize("clear", ["annotation", "healed"])
