@@ -102,6 +102,8 @@ def report(setup: dict, results: list[Result]) -> None:
             + f"; etcd db {w.etcd_bytes / 2**20:,.1f} MiB")
         for note in r.notes:
             print(f"  {note}")
+        print(f"  the budget counter (upkeep, left out of bytes per decision): read {r.counter_bytes / 1e6:,.2f} MB, "
+              f"listed the Leases {r.counter_lists} time(s)")
         print(f"  watch requests: agents {r.agent_watch_opens:,} ({r.agent_watch_opens / agents:.1f} per agent), "
               f"other nodes {r.passive_watch_opens:,}; answered 429: "
               + (", ".join(f"{k} {v:,.0f}" for k, v in sorted(r.refused.items())) or "none")

@@ -4,6 +4,7 @@ fed verdicts as the agent's loop feeds them; and the budget counter, with its ow
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -102,10 +103,28 @@ class Counter:
     """The budget counter on a thread, as its Deployment runs it, with its own service account."""
 
     def __init__(self, plane: ControlPlane, interval: float) -> None:
-        self._counter = BudgetCounter(ApiBackend(identity(plane, COUNTER_ACCOUNT), ""), NAMESPACE, GPU_SELECTOR)
+        backend = ApiBackend(identity(plane, COUNTER_ACCOUNT), "")
+        self._counter = BudgetCounter(backend, NAMESPACE, GPU_SELECTOR)
         self._interval = interval
         self._stop = threading.Event()
         self.rounds = self.failures = 0
+        self.read_bytes = 0  # the replies it read, as compact JSON (its node Table pages, its Lease list)
+        self.lease_lists = 0
+        read = backend._call
+
+        def counted(*args, **kwargs):
+            reply = read(*args, **kwargs)
+            self.read_bytes += len(json.dumps(reply, separators=(",", ":")))
+            return reply
+
+        backend._call = counted
+        list_leases = self._counter.store.list
+
+        def listed(*args, **kwargs):
+            self.lease_lists += 1
+            return list_leases(*args, **kwargs)
+
+        self._counter.store.list = listed
         self._thread = threading.Thread(target=self._run, name="budget-counter", daemon=True)
 
     def round(self) -> int:

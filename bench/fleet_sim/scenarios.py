@@ -73,6 +73,8 @@ class Result:
     passive_watch_opens: int = 0  # the other nodes' watch requests in the window
     agent_errors: dict = field(default_factory=dict)  # the full agents' error kinds counted in the window
     shed_watchers: int = 0  # watchers the API server closed as unresponsive in the window
+    counter_bytes: int = 0  # what the budget counter read in the window (fleet upkeep, not a decision)
+    counter_lists: int = 0  # its Lease lists in the window (not decisions)
 
     @property
     def refused(self) -> dict:
@@ -85,9 +87,11 @@ class Result:
 
     @property
     def bytes_per_decision(self) -> float | None:
-        """Every byte the API server sent for LIST and GET (leases, nodes, events) per look."""
-        return self.bytes_where(("LIST", "GET"), ("leases", "nodes", "events")) / self.decisions \
-            if self.decisions else None
+        """Every byte the API server sent for LIST and GET (leases, nodes, events) per look, less
+        what the budget counter read (its count of the fleet each interval is upkeep whether or
+        not anything is decided: the steady state shows it)."""
+        sent = self.bytes_where(("LIST", "GET"), ("leases", "nodes", "events")) - self.counter_bytes
+        return max(0.0, sent) / self.decisions if self.decisions else None
 
     def summary(self, values: list) -> str:
         if not values:
@@ -158,12 +162,15 @@ class Sim:
         self._opens = (self.fleet.watch_opens(), self.passive.figures.opened)
         self._errors = self.fleet.errors()
         self._shed = shed_watchers(self.plane)
+        self._counted = (self.counter.read_bytes, self.counter.lease_lists)
 
     def _close_window(self, name: str, **figures) -> Result:
         result = Result(name, self.meter.stop(), limit=self.preset.limit, **figures)
         result.agent_watch_opens = self.fleet.watch_opens() - self._opens[0]
         result.passive_watch_opens = self.passive.figures.opened - self._opens[1]
         result.shed_watchers = shed_watchers(self.plane) - self._shed
+        result.counter_bytes = self.counter.read_bytes - self._counted[0]
+        result.counter_lists = self.counter.lease_lists - self._counted[1]
         result.agent_errors = {k: v - self._errors.get(k, 0) for k, v in self.fleet.errors().items()
                                if v - self._errors.get(k, 0) > 0}
         return result
@@ -214,7 +221,8 @@ class Sim:
                                if (a.name, "NoExecute") in firsts]
         result.most_noexecute = self.log.most_noexecute
         result.decisions = int(sum(v for (metric, verb, resource), v in result.window.api.items()
-                                   if metric == "requests" and verb == "LIST" and resource == "leases"))
+                                   if metric == "requests" and verb == "LIST" and resource == "leases")
+                               - result.counter_lists)
         if restart:
             gone, back = self.restarted
             last = max(min(firsts.get((a.name, e), float("inf")) for e in ("NoSchedule", "NoExecute"))
