@@ -61,6 +61,7 @@ from healthagent.effects.plan import (
     NodePlan,
     PlanSettings,
     blind_to,
+    clear_request,
     needs_budget,
     plan_node,
 )
@@ -203,7 +204,12 @@ def observe(state: EffectsState, node: dict, verdict: Verdict | None, now: float
         # held while unobserved): someone removed it by hand
         wanted = Action.most_severe([f.action for f in verdict.findings])
         awaited = state.taint.value == Action.REBOOT_NODE.value and reboot_outstanding(node)
-        if state.taint.value == Action.REPLACE_NODE.value or wanted in TAINT_ACTIONS \
+        pending = clear_request(node)
+        if pending is not None:  # removed with a clear the node carries already: that clear's, no second one
+            state = replace(state, taint=None)
+            notes.append(Note(WARNING, f"effects node={ctx.node_name} taint removed by hand with the clear "
+                                       f"{CLEAR_ANNOTATION}={pending.token} on the node"))
+        elif state.taint.value == Action.REPLACE_NODE.value or wanted in TAINT_ACTIONS \
                 or blind_to(verdict, state.taint.code) or awaited:
             token = f"{TAINT_REMOVED}{int(wall)}"
             state = replace(state, taint=None, clear_to_write=token)

@@ -179,6 +179,19 @@ def test_a_taint_removed_by_hand_becomes_a_clear_on_the_node_and_is_kept_until_w
     assert [e.reason for e in done.events] == ["Cleared"] and "removing the agent's taint" in done.events[0].note
 
 
+def test_a_taint_removed_by_hand_beside_an_operators_clear_annotation_is_that_clear():
+    """The operator removed the taint and annotated the node: one clear, the operator's. The agent
+    writes no taint-removed token over it (policy would then wait for a clear nobody asked for)."""
+    state = replace(EffectsState(), taint=APPLIED)
+    result = step(state, REPLACE, node(annotations={CLEAR_ANNOTATION: "ticket-1"}), Budget.UNASKED, T0 + 30,
+                  T0 + 30, CTX)
+    assert result.observed.clear_to_write == "" and result.observed.taint is None
+    assert result.plan.node_patch is None and taint_of(result.plan) is None  # held as it is, for policy
+    done = step(result.state, verdict(clear_token="ticket-1"), node(annotations={CLEAR_ANNOTATION: "ticket-1"}),
+                Budget.UNASKED, T0 + 31, T0 + 31, CTX)
+    assert [e.reason for e in done.events] == ["Cleared"]
+
+
 def test_the_budget_is_asked_only_for_a_disruptive_step_ahead():
     assert asks_budget(EffectsState(), REPLACE, node(), SETTINGS)
     assert not asks_budget(EffectsState(), verdict(finding(Action.MONITOR, "GPU_ECC_SBE")), node(), SETTINGS)
