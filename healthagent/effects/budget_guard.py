@@ -44,7 +44,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from healthagent.common import ErrorTally
-from healthagent.effects.backend import AlreadyExists, ApiError, ApiRejected, ApiUnavailable, Conflict
+from healthagent.effects.backend import (NODE_WRITE_DEADLINE_SECONDS, AlreadyExists, ApiError, ApiRejected,
+                                        ApiUnavailable, Conflict)
 from healthagent.effects.budget import (
     BudgetView,
     Scope,
@@ -181,11 +182,15 @@ class BudgetGuard:
             g, view = self._look(g, now)
             held = view.held_by(self._node)
             # A slot held by a node without the agent's taint: the last run took it and stopped
-            # before its node write landed. ``settle`` gives it back below; should that fail, the
-            # slot is re-written after the first node write that lands, as for a slot just taken,
-            # so a reclaim that judged it stale meanwhile cannot let a second node through.
+            # before its node write landed. ``settle`` gives it back, but not before that write's
+            # server-side deadline has passed (it may still be queued at the API server, and would
+            # land on a node whose slot is free); should the give-back fail, the slot is re-written
+            # after the first node write that lands, as for a slot just taken, so a reclaim that
+            # judged it stale meanwhile cannot let a second node through.
             slot = held[0] if held else None
-            g = replace(g, slot=slot, renew_due=slot is not None and not owned_taints(node, self._taint_key))
+            untainted = slot is not None and not owned_taints(node, self._taint_key)
+            g = replace(g, slot=slot, renew_due=untainted,
+                        upkeep_at=now + NODE_WRITE_DEADLINE_SECONDS + CONFIRM_MARGIN_SECONDS if untainted else None)
             if slot is None and carries_no_execute(node, self._taint_key):
                 g = self._adopt(g, view, now, wall)
         except ApiError as exc:

@@ -26,6 +26,8 @@ from healthagent.effects.budget import (
     slot_name,
 )
 from healthagent.effects.api_time import rfc3339
+from healthagent.effects.backend import NODE_WRITE_DEADLINE_SECONDS
+from healthagent.effects.budget_guard import CONFIRM_MARGIN_SECONDS
 from healthagent.effects.node_desired import CLEAR_ANNOTATION, HEALTH_LABEL, HYPERPOD_HEALTH_LABEL
 from healthagent.model import Action
 from tests.effects.budget_helpers import (  # noqa: F401 (cluster: a fixture)
@@ -292,6 +294,32 @@ def test_a_restarted_agent_finds_its_slot_and_takes_no_second(tmp_path, cluster)
     again.reconcile(XID95, T0 + 10, "boot-1")
     assert len(held_by(cluster, NODE)) == 1
     assert again.budget.slot is not None and again.budget.slot.name == held_by(cluster, NODE)[0]
+
+
+@pytest.mark.parametrize("lands", [False, True])
+def test_a_restart_keeps_a_slot_its_last_runs_write_may_still_land_under(tmp_path, cluster, lands):
+    """The last run took the slot and stopped with its NoExecute PATCH queued at the API server:
+    the node holds a slot and shows no taint. The restart gives that slot back only once the
+    write's deadline has passed; a write that lands meanwhile keeps it, so no second node can
+    take the slot beside a NoExecute."""
+    peer_holds(cluster, 0, NODE, tainted=False)
+    agent = start_effects(settings_for(tmp_path, NODE, budget_max_nodes=1, replace_noexecute_grace_seconds=0.0),
+                          cluster)
+    agent.startup(T0, "boot-1")
+    assert held_by(cluster, NODE) == [slot_name(0)]  # not at once: the old write may be in flight
+    if lands:
+        taint = {"key": TAINT_KEY, "value": "replace_node", "effect": "NoExecute", "timeAdded": rfc3339(T0 - 1)}
+        cluster.update_node(NODE, lambda n: n["spec"].update(taints=[taint]))
+        agent.reconcile(XID95, T0 + NODE_WRITE_DEADLINE_SECONDS + 10, "boot-1")  # it adopts the taint
+        assert effects(cluster) == {NODE: "NoExecute"} and held_by(cluster, NODE) == [slot_name(0)]
+        peer = started(tmp_path / "peer", cluster, node="gpu-node-7", budget_max_nodes=1,
+                       replace_noexecute_grace_seconds=0.0)
+        assert peer.reconcile(XID95, T0 + 30, "boot-1").budget_blocked
+        return
+    agent.reconcile(HEALTHY, T0 + NODE_WRITE_DEADLINE_SECONDS - 1, "boot-1")
+    assert held_by(cluster, NODE) == [slot_name(0)]
+    agent.reconcile(HEALTHY, T0 + NODE_WRITE_DEADLINE_SECONDS + CONFIRM_MARGIN_SECONDS, "boot-1")
+    assert held_by(cluster, NODE) == []  # past the deadline: nothing can land under it any more
 
 
 def test_a_slot_taken_before_a_crash_cannot_let_a_second_node_through(tmp_path, cluster):
