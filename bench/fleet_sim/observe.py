@@ -1,7 +1,7 @@
 """What a user watching the fleet would see, and the control plane's own figures.
 
-``TaintLog`` is one watch on every GPU node (from a list's version, in the API server's order,
-resumed after an API server restart): when each node first showed the agent's NoSchedule and
+``TaintLog`` is one watch on every GPU node, in a process of its own (from a list's version, in
+the API server's order, resumed after an API server restart): when each node first showed the agent's NoSchedule and
 NoExecute and when it lost the taint, on the bench's monotonic clock, and the most nodes with
 NoExecute at any moment (the budget, counted as a user would). ``Meter`` reads the API server's
 ``/metrics`` (requests and response bytes by verb and resource) and /proc of kube-apiserver, etcd
@@ -24,77 +24,107 @@ def effect_of(node: dict) -> str:
     return "NoExecute" if "NoExecute" in effects else next(iter(effects), "")
 
 
+def watch_gpu_nodes(url: str, tls: tuple[str, str, str], sink) -> None:
+    """The observer's own process: list the GPU nodes, then watch them from the list's version
+    (resumed after a cut, listed again after a 410), sending ``(name, effect, at)`` for every
+    change and ``("", "restart", at)`` after each cut. ``at`` is this process's monotonic clock,
+    which Linux shares between processes, so the bench compares it with the faults' times."""
+    import requests
+
+    session = requests.Session()
+    session.trust_env = False
+    session.verify, session.cert = tls[0], (tls[1], tls[2])
+    version = ""
+    while True:
+        try:
+            if not version:
+                reply = session.get(f"{url}/api/v1/nodes", timeout=300,
+                                    params={"labelSelector": GPU_SELECTOR, "resourceVersion": "0"})
+                reply.raise_for_status()
+                body = reply.json()
+                sink.send([(n["metadata"]["name"], effect_of(n), time.monotonic()) for n in body["items"]])
+                version = body["metadata"]["resourceVersion"]
+                sink.send([("", "listed", time.monotonic())])
+            params = {"watch": "true", "labelSelector": GPU_SELECTOR, "resourceVersion": version,
+                      "allowWatchBookmarks": "true", "timeoutSeconds": "1800"}
+            with session.get(f"{url}/api/v1/nodes", params=params, stream=True, timeout=(10, 1900)) as reply:
+                reply.raise_for_status()
+                for line in reply.iter_lines(chunk_size=None):
+                    if not line:
+                        continue
+                    event = json.loads(line)
+                    node = event.get("object") or {}
+                    if event.get("type") == "ERROR":
+                        version = ""
+                        break
+                    if event.get("type") != "BOOKMARK":
+                        effect = "" if event.get("type") == "DELETED" else effect_of(node)
+                        sink.send([(node["metadata"]["name"], effect, time.monotonic())])
+                    version = (node.get("metadata") or {}).get("resourceVersion") or version
+        except (BrokenPipeError, EOFError):
+            return
+        except Exception:  # an API server restart: resume (or list again) a moment later
+            try:
+                sink.send([("", "restart", time.monotonic())])
+            except (BrokenPipeError, OSError):
+                return
+            time.sleep(0.5)
+
+
 class TaintLog:
+    """The fleet's taints as a user watching them sees them: the watch runs in a process of its
+    own, so a bench process busy with a thousand agents never delays when a change is seen."""
+
     def __init__(self, plane: ControlPlane) -> None:
-        self._plane = plane
-        self._session = plane.admin_session()
+        import multiprocessing
+
         self._cond = threading.Condition()
         self.effects: dict[str, str] = {}
         self.first: dict[tuple[str, str], float] = {}  # (node, effect or "clean") -> first time seen since reset
         self.most_noexecute = 0
+        self._noexecute = 0
         self.restarts = 0
-        self._stop = False
-        self._version = ""
+        self._listed = False
+        context = multiprocessing.get_context("spawn")
+        self._inbox, sink = context.Pipe(duplex=False)
+        pki = plane.pki
+        assert pki is not None
+        self._process = context.Process(target=watch_gpu_nodes, name="taint-log", daemon=True, args=(
+            plane.url, (str(pki.ca_cert), str(pki.admin_cert), str(pki.admin_key)), sink))
+        self._process.start()
+        sink.close()
         self._thread = threading.Thread(target=self._run, name="taint-log", daemon=True)
         self._thread.start()
         with self._cond:
-            self._cond.wait_for(lambda: bool(self._version), 120)
-
-    def _list(self) -> None:
-        reply = self._session.get(f"{self._plane.url}/api/v1/nodes", timeout=300,
-                                  params={"labelSelector": GPU_SELECTOR, "resourceVersion": "0"})
-        reply.raise_for_status()
-        body = reply.json()
-        with self._cond:
-            for node in body["items"]:
-                self._saw(node["metadata"]["name"], effect_of(node), time.monotonic())
-            self._version = body["metadata"]["resourceVersion"]
-            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._listed, 120)
 
     def _run(self) -> None:
-        while not self._stop:
+        while True:
             try:
-                if not self._version:
-                    self._list()
-                self._follow()
-            except Exception:  # an API server restart: resume (or list again) a moment later
-                self.restarts += 1
-                time.sleep(0.5)
-
-    def _follow(self) -> None:
-        params = {"watch": "true", "labelSelector": GPU_SELECTOR, "resourceVersion": self._version,
-                  "allowWatchBookmarks": "true", "timeoutSeconds": "1800"}
-        with self._session.get(f"{self._plane.url}/api/v1/nodes", params=params, stream=True,
-                               timeout=(10, 1900)) as reply:
-            reply.raise_for_status()
-            for line in reply.iter_lines(chunk_size=None):
-                if self._stop:
-                    return
-                if not line:
-                    continue
-                event = json.loads(line)
-                node = event.get("object") or {}
-                if event.get("type") == "ERROR":
-                    self._version = ""
-                    return
-                version = (node.get("metadata") or {}).get("resourceVersion")
-                if event.get("type") != "BOOKMARK":
-                    effect = "" if event.get("type") == "DELETED" else effect_of(node)
-                    with self._cond:
-                        self._saw(node["metadata"]["name"], effect, time.monotonic())
-                        self._cond.notify_all()
-                self._version = version or self._version
+                batch = self._inbox.recv()
+            except (EOFError, OSError):
+                return
+            with self._cond:
+                for name, effect, at in batch:
+                    if not name:
+                        self.restarts += effect == "restart"
+                        self._listed = self._listed or effect == "listed"
+                    else:
+                        self._saw(name, effect, at)
+                self._cond.notify_all()
 
     def _saw(self, name: str, effect: str, at: float) -> None:
+        self._noexecute -= self.effects.get(name) == "NoExecute"
         if effect:
             self.effects[name] = effect
         else:
             self.effects.pop(name, None)
+        self._noexecute += effect == "NoExecute"
         self.first.setdefault((name, effect or "clean"), at)
-        self.most_noexecute = max(self.most_noexecute, self.noexecute())
+        self.most_noexecute = max(self.most_noexecute, self._noexecute)
 
     def noexecute(self) -> int:
-        return sum(1 for effect in self.effects.values() if effect == "NoExecute")
+        return self._noexecute
 
     def reset(self) -> None:
         """A new scenario: first times and the most NoExecute start again from what is now."""
@@ -107,7 +137,8 @@ class TaintLog:
             return self._cond.wait_for(lambda: done(self), timeout)
 
     def stop(self) -> None:
-        self._stop = True
+        self._process.terminate()
+        self._process.join(10)
 
 
 @dataclass
