@@ -159,6 +159,18 @@ class Meter:
         self._carried: dict = {}
         self._cpu_carried: dict = {}
 
+    def _scrape(self, attempts: int = 30) -> dict:
+        """The API server's /metrics, asked again for a while: a server just restarted under
+        10,000 returning watches drops connections in the TLS handshake."""
+        for attempt in range(attempts):
+            try:
+                return scrape(self._plane)
+            except Exception:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(2.0)
+        raise AssertionError("unreachable")
+
     def _processes(self) -> dict[str, tuple[float, int]]:
         import os
 
@@ -168,14 +180,14 @@ class Meter:
 
     def start(self) -> None:
         self._carried, self._cpu_carried = {}, {}
-        self._begin = (scrape(self._plane), time.monotonic(), self._processes())
+        self._begin = (self._scrape(), time.monotonic(), self._processes())
 
     def before_restart(self) -> None:
         """The API server is about to go: bank what its counters say so far (they start at 0 again)."""
         assert self._begin is not None
         api, at, procs = self._begin
         now = self._processes()
-        for key, value in delta(scrape(self._plane), api).items():
+        for key, value in delta(self._scrape(), api).items():
             self._carried[key] = self._carried.get(key, 0.0) + value
         if "kube-apiserver" in procs:
             self._cpu_carried["kube-apiserver"] = now["kube-apiserver"][0] - procs["kube-apiserver"][0]
@@ -186,12 +198,12 @@ class Meter:
         _, at, procs = self._begin
         procs = dict(procs)
         procs["kube-apiserver"] = self._processes()["kube-apiserver"]
-        self._begin = (scrape(self._plane), at, procs)
+        self._begin = (self._scrape(), at, procs)
 
     def stop(self) -> Window:
         assert self._begin is not None
         api, at, procs = self._begin
-        window = delta(scrape(self._plane), api)
+        window = delta(self._scrape(), api)
         for key, value in self._carried.items():
             window[key] = window.get(key, 0.0) + value
         now = self._processes()
