@@ -144,9 +144,7 @@ class ApiBackend:
         really refuses the patch (``ApiRejected``)."""
         ops = json_patch_ops(basis, patch)
         try:
-            deadline = NODE_WRITE_DEADLINE_SECONDS if disruptive else HOLD_WRITE_DEADLINE_SECONDS
-            return self._call(self._patch_node_within_deadline, ops, deadline,
-                              _request_timeout=(self.timeout[0], max(self.timeout[1], deadline)))
+            return self._patch_within_deadline("", JSON_PATCH, ops, disruptive)
         except ApiRejected as exc:
             if exc.status != 422:
                 raise
@@ -156,27 +154,34 @@ class ApiBackend:
                 raise Conflict(f"changed since read: {', '.join(moved)}", node=fresh) from None
             raise
 
-    def _patch_node_within_deadline(self, ops: list, deadline: int, _preload_content: bool = False,
-                                    _request_timeout: Any = None) -> Any:
-        """The JSON patch of ``patch_node`` with ``timeout=<deadline>s`` in its query (the typed
-        call has no parameter for it), built and sent by the client's own serializer."""
-        # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
-        from kubernetes.client.exceptions import ApiException
-
+    def _patch_within_deadline(self, subresource: str, content_type: str, body: Any, disruptive: bool) -> dict:
+        """PATCH the node (or its ``/status``) with ``timeout=<deadline>s`` in the query (the typed
+        calls have no parameter for it), built and sent by the client's own serializer; the client
+        waits for the answer as long as the server may still apply it."""
+        deadline = NODE_WRITE_DEADLINE_SECONDS if disruptive else HOLD_WRITE_DEADLINE_SECONDS
         api = self.core.api_client
-        method, url, headers, body, _ = api.param_serialize(
-            method="PATCH", resource_path="/api/v1/nodes/{name}", path_params={"name": self.node_name},
-            query_params=[("timeout", f"{deadline}s")],
-            header_params={"Content-Type": JSON_PATCH, "Accept": "application/json"}, body=ops,
-            auth_settings=["BearerToken"])
-        response = api.call_api(method, url, header_params=headers, body=body, _request_timeout=_request_timeout)
-        if not 200 <= response.status <= 299:
-            response.read()
-            raise ApiException.from_response(http_resp=response, body=None, data=None)
-        return response.response
 
-    def patch_node_status(self, patch: dict) -> dict:
-        return self._call(self.core.patch_node_status, self.node_name, patch, _content_type=STRATEGIC_MERGE)
+        def send(_preload_content: bool = False, _request_timeout: Any = None) -> Any:
+            # deferred: the kubernetes client (about 0.3 s to load) loads only when the agent talks to a cluster
+            from kubernetes.client.exceptions import ApiException
+
+            method, url, headers, payload, _ = api.param_serialize(
+                method="PATCH", resource_path="/api/v1/nodes/{name}" + subresource,
+                path_params={"name": self.node_name}, query_params=[("timeout", f"{deadline}s")],
+                header_params={"Content-Type": content_type, "Accept": "application/json"}, body=body,
+                auth_settings=["BearerToken"])
+            response = api.call_api(method, url, header_params=headers, body=payload, _request_timeout=_request_timeout)
+            if not 200 <= response.status <= 299:
+                response.read()
+                raise ApiException.from_response(http_resp=response, body=None, data=None)
+            return response.response
+
+        return self._call(send, _request_timeout=(self.timeout[0], max(self.timeout[1], deadline)))
+
+    def patch_node_status(self, patch: dict, disruptive: bool = True) -> dict:
+        """The conditions, merged by type on the server (no precondition), within the same
+        deadline as a node write: a gated condition's ``False`` is a disruptive step too."""
+        return self._patch_within_deadline("/status", STRATEGIC_MERGE, patch, disruptive)
 
     def list_nodes(self, label_selector: str, not_older_than: str = "") -> list[dict]:
         """The nodes matching ``label_selector``, from the API server's watch cache, never a quorum
@@ -446,7 +451,7 @@ class DryRunBackend:
             log.info("dry_run=1 write=untaint node=%s key=%s value=%s effect=%s", self.node_name, key, value,
                      effect)
 
-    def patch_node_status(self, patch: dict) -> dict:
+    def patch_node_status(self, patch: dict, disruptive: bool = True) -> dict:
         conditions = self.node.setdefault("status", {}).setdefault("conditions", [])
         for cond in (patch.get("status") or {}).get("conditions") or []:
             log.info("dry_run=1 write=condition node=%s type=%s status=%s reason=%s message=%r",

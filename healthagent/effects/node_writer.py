@@ -75,7 +75,8 @@ class NodeWriter:
         if patch is None:
             return node, True
         for attempt in range(self.max_attempts):
-            reply = self._attempt("node_status", self._backend.patch_node_status, (patch,), attempt)
+            reply = self._attempt("node_status", self._backend.patch_node_status,
+                                  (patch, plan.taint.disruptive_ready), attempt)
             if not isinstance(reply, Conflict):
                 return reply, True
         self._exhausted("node_status")

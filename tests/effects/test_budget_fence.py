@@ -73,6 +73,8 @@ def test_the_disruptive_write_carries_a_deadline_well_inside_the_judges_grace(tm
     cordon, step = [r for r in cluster.writes() if r.path == f"/api/v1/nodes/{NODE}"]
     assert "NoSchedule" in str(cordon.body) and cordon.query.get("timeout") == f"{HOLD_WRITE_DEADLINE_SECONDS}s"
     assert "NoExecute" in str(step.body) and step.query.get("timeout") == f"{NODE_WRITE_DEADLINE_SECONDS}s"
+    (status,) = [r for r in cluster.writes() if r.path == f"/api/v1/nodes/{NODE}/status"]  # with the step
+    assert status.query.get("timeout") == f"{NODE_WRITE_DEADLINE_SECONDS}s"
     assert NODE_WRITE_DEADLINE_SECONDS * 3 <= SLOT_GRACE_SECONDS
 
 
