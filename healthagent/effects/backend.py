@@ -144,7 +144,8 @@ class ApiBackend:
         really refuses the patch (``ApiRejected``)."""
         ops = json_patch_ops(basis, patch)
         try:
-            return self._patch_within_deadline("", JSON_PATCH, ops, disruptive)
+            return self._patch_within_deadline(dict(method="PATCH", resource_path="/api/v1/nodes/{name}"),
+                                               JSON_PATCH, ops, disruptive)
         except ApiRejected as exc:
             if exc.status != 422:
                 raise
@@ -154,10 +155,10 @@ class ApiBackend:
                 raise Conflict(f"changed since read: {', '.join(moved)}", node=fresh) from None
             raise
 
-    def _patch_within_deadline(self, subresource: str, content_type: str, body: Any, disruptive: bool) -> dict:
-        """PATCH the node (or its ``/status``) with ``timeout=<deadline>s`` in the query (the typed
-        calls have no parameter for it), built and sent by the client's own serializer; the client
-        waits for the answer as long as the server may still apply it."""
+    def _patch_within_deadline(self, request: dict, content_type: str, body: Any, disruptive: bool) -> dict:
+        """The ``request`` (method and path: the node or its ``/status``) with ``timeout=<deadline>s``
+        in the query (the typed calls have no parameter for it), built and sent by the client's own
+        serializer; the client waits for the answer as long as the server may still apply it."""
         deadline = NODE_WRITE_DEADLINE_SECONDS if disruptive else HOLD_WRITE_DEADLINE_SECONDS
         api = self.core.api_client
 
@@ -166,8 +167,7 @@ class ApiBackend:
             from kubernetes.client.exceptions import ApiException
 
             method, url, headers, payload, _ = api.param_serialize(
-                method="PATCH", resource_path="/api/v1/nodes/{name}" + subresource,
-                path_params={"name": self.node_name}, query_params=[("timeout", f"{deadline}s")],
+                **request, path_params={"name": self.node_name}, query_params=[("timeout", f"{deadline}s")],
                 header_params={"Content-Type": content_type, "Accept": "application/json"}, body=body,
                 auth_settings=["BearerToken"])
             response = api.call_api(method, url, header_params=headers, body=payload, _request_timeout=_request_timeout)
@@ -181,7 +181,8 @@ class ApiBackend:
     def patch_node_status(self, patch: dict, disruptive: bool = True) -> dict:
         """The conditions, merged by type on the server (no precondition), within the same
         deadline as a node write: a gated condition's ``False`` is a disruptive step too."""
-        return self._patch_within_deadline("/status", STRATEGIC_MERGE, patch, disruptive)
+        return self._patch_within_deadline(dict(method="PATCH", resource_path="/api/v1/nodes/{name}/status"),
+                                           STRATEGIC_MERGE, patch, disruptive)
 
     def list_nodes(self, label_selector: str, not_older_than: str = "") -> list[dict]:
         """The nodes matching ``label_selector``, from the API server's watch cache, never a quorum

@@ -42,6 +42,7 @@ CLIENT_CALLS = {
     ("leases", "delete_namespaced_lease"): ("coordination.k8s.io", "leases", "delete"),
     ("raw", "GET /api/v1/nodes"): ("", "nodes", "list"),
     ("raw", "PATCH /api/v1/nodes/{name}"): ("", "nodes", "patch"),  # the node write with a deadline
+    ("raw", "PATCH /api/v1/nodes/{name}/status"): ("", "nodes/status", "patch"),  # the conditions, likewise
 }
 ROLES = {"healthagent-events": ("events.k8s.io", "events"), "healthagent-budget": ("coordination.k8s.io", "leases")}
 VERB_ORDER = ["get", "list", "watch", "create", "update", "patch", "delete"]
