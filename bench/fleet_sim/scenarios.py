@@ -277,8 +277,9 @@ class Sim:
     def _restart(self) -> None:
         self.meter.before_restart()
         began = time.monotonic()
-        self.plane.restart_apiserver()
-        self.restarted = (began, time.monotonic())  # gone, and ready again
+        self.restarted = (began, float("nan"))  # gone, and (once it is) ready again
+        self.plane.restart_apiserver(ready_within=WAIT_SECONDS)
+        self.restarted = (began, time.monotonic())
         self.meter.after_restart()
 
     def _settle(self, quiet: float = 2.0) -> None:

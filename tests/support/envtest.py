@@ -187,9 +187,11 @@ class ControlPlane:
     def start_apiserver(self) -> None:
         self._start_apiserver()
 
-    def restart_apiserver(self) -> None:
+    def restart_apiserver(self, ready_within: float = START_TIMEOUT_SECONDS) -> None:
+        """Stop and start kube-apiserver; ``ready_within``: how long /readyz may take (a server
+        coming back to thousands of returning watches takes minutes on 2 cores)."""
         self.stop_apiserver()
-        self._start_apiserver()
+        self._start_apiserver(ready_within)
 
     def _start_etcd(self) -> None:
         peer = f"http://127.0.0.1:{self.etcd_peer_port}"
@@ -207,7 +209,7 @@ class ControlPlane:
         wait_for(healthy, START_TIMEOUT_SECONDS, "etcd /health", retry_on=(requests.RequestException,),
                  interval=0.1)
 
-    def _start_apiserver(self) -> None:
+    def _start_apiserver(self, ready_within: float = START_TIMEOUT_SECONDS) -> None:
         pki = self.pki
         assert pki is not None
         self._apiserver = self._spawn("kube-apiserver", [
@@ -222,7 +224,7 @@ class ControlPlane:
             "--authorization-mode=RBAC", "--service-cluster-ip-range=10.0.0.0/24",
             "--allow-privileged=true",
             "--v=0", *self.extra_args])
-        wait_for(self._ready, START_TIMEOUT_SECONDS, "kube-apiserver /readyz",
+        wait_for(self._ready, ready_within, "kube-apiserver /readyz",
                  retry_on=(requests.RequestException,), interval=0.2)
 
     def _check_alive(self, proc: subprocess.Popen | None, name: str) -> None:
