@@ -26,6 +26,17 @@ from tests.effects.helpers import T0, settings_for
 pytestmark = pytest.mark.integration
 
 
+def _with_api(plane, folder, node: str, api: type[DraApi], scope: ScopePolicy) -> DraEffects:
+    """An agent of ``node`` whose DRA calls go through ``api`` (the real DraApi with a fault)."""
+    settings = settings_for(folder, node, kube="kubeconfig", replace_noexecute_grace_seconds=GRACE,
+                            budget_namespace=f"budget-{node}")
+    store = StateStore(settings.state_file)
+    store.load()
+    api_client = plane.api_client()
+    inner = NodeEffects(settings, api_client, store, watch=False, request_timeout=(2.0, 5.0))
+    return DraEffects(inner, api(api_client, node), scope, settings.taint_key, GRACE)
+
+
 class _RefusedOnce(DraApi):
     """The real DraApi whose first ResourceSlice list is answered 403."""
 
@@ -48,13 +59,7 @@ def test_a_rule_left_by_an_earlier_run_is_removed_after_a_refused_read(dra_plane
     assert [r["spec"]["taint"]["effect"] for r in _rules(dra_plane, node)] == ["NoExecute"]
     first.close()
 
-    settings = settings_for(tmp_path / "again", node, kube="kubeconfig", replace_noexecute_grace_seconds=GRACE,
-                            budget_namespace=f"budget-{node}")
-    store = StateStore(settings.state_file)
-    store.load()
-    api_client = dra_plane.api_client()
-    inner = NodeEffects(settings, api_client, store, watch=False, request_timeout=(2.0, 5.0))
-    again = DraEffects(inner, _RefusedOnce(api_client, node), scope, settings.taint_key, GRACE)
+    again = _with_api(dra_plane, tmp_path / "again", node, _RefusedOnce, scope)
     start = T0 + 300
     again.startup(start, "boot-1")
     again.reconcile(Verdict.of([gpu_finding(3)], start), start, "boot-1")
@@ -83,22 +88,15 @@ def test_a_device_noexecute_whose_rule_write_is_refused_gives_its_mark_and_slot_
 
     node = "dra-refused-write"
     _agent(dra_plane, tmp_path / "setup", node, ScopePolicy(noexecute=True)).close()  # the node, its slices
-    settings = settings_for(tmp_path / "agent", node, kube="kubeconfig", replace_noexecute_grace_seconds=GRACE,
-                            budget_namespace=f"budget-{node}")
-    store = StateStore(settings.state_file)
-    store.load()
-    api_client = dra_plane.api_client()
-    inner = NodeEffects(settings, api_client, store, watch=False, request_timeout=(2.0, 5.0))
-    effects = DraEffects(inner, _NoExecuteRefused(api_client, node), ScopePolicy(noexecute=True),
-                         settings.taint_key, GRACE)
+    effects = _with_api(dra_plane, tmp_path / "agent", node, _NoExecuteRefused, ScopePolicy(noexecute=True))
     effects.startup(T0 - 1, "boot-1")
     bad = Verdict.of([gpu_finding(3)], T0)
     effects.reconcile(bad, T0, "boot-1")
     effects.reconcile(bad, T0 + GRACE + 1, "boot-1")  # NoExecute due: the slot taken, the write refused
     assert [r["spec"]["taint"]["effect"] for r in _rules(dra_plane, node)] == ["NoSchedule"]
-    annotations = client.CoreV1Api(api_client).read_node(node).metadata.annotations or {}
+    annotations = client.CoreV1Api(dra_plane.api_client()).read_node(node).metadata.annotations or {}
     assert DEVICE_NO_EXECUTE_ANNOTATION not in annotations
-    leases = client.CoordinationV1Api(api_client).list_namespaced_lease(f"budget-{node}").items
+    leases = client.CoordinationV1Api(dra_plane.api_client()).list_namespaced_lease(f"budget-{node}").items
     assert not [lease for lease in leases if lease.metadata.name.startswith("healthagent-budget-slot")
                 and lease.spec.holder_identity == node]
     effects.close()
